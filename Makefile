@@ -1,0 +1,38 @@
+# cem_jax: `make train` runs the main job on the default corpus, `make test` runs the tests.
+# Without an active virtual environment both create .venv and install the package into it.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+ifdef VIRTUAL_ENV
+  PYTHON := python
+  STAMP := $(VIRTUAL_ENV)/.cem_jax-installed
+else
+  PYTHON := $(VENV)/bin/python
+  STAMP := $(VENV)/.cem_jax-installed
+endif
+PYTEST_ARGS ?=
+
+.PHONY: install test test-all lint bench clean
+
+$(STAMP): pyproject.toml
+	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x $(VENV)/bin/python ]; then $(PY) -m venv $(VENV); fi
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+install: $(STAMP)
+
+test: install
+	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: install
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(PYTHON) -m ruff check cem_jax tests benchmarks
+
+bench: install
+	$(PYTHON) benchmarks/layers.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
