@@ -1,0 +1,185 @@
+"""Model configuration: one validated dataclass, loadable from YAML with `key=value` overrides.
+
+The YAML file of an experiment has sections (`model:`, and later `data:`, `optimizer:`, ...);
+`load_yaml` reads it, `apply_overrides` applies `section.key=value` strings (values are parsed as
+YAML scalars, so `steps=2`, `tie_mlp=false`, `dtype=bfloat16` all work), and `from_dict` builds a
+dataclass, rejecting unknown keys. Every check raises `ValueError` naming the field, the value and
+what is allowed (DESIGN.md §1 gives the meaning of each CEM option).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+ACTIVATIONS = ("silu", "gelu", "relu")
+INTERACTIONS = ("lowrank", "dplr")
+DIAGONALS = ("per_head", "shared")
+PRECONDITIONERS = ("none", "scalar", "diag", "dplr")
+POSITIONS = ("rope", "none")
+IMPLS = ("autodiff", "xla")
+GRADIENT_WRT = ("normalized", "residual")
+DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only language model of CEM (or Llama baseline) blocks.
+
+    Shapes use the letters of DESIGN.md: D = `d_model`, H = `num_heads`, G = `num_kv_heads`,
+    K = `head_dim` (default D // H), F = `mlp_dim`, V = `vocab_size`, L = `num_layers`.
+
+    CEM options (DESIGN.md §1):
+      tie_attention: attention as the gradient of the interaction energy (value = key,
+        output = query transposed); False gives Llama attention with free Wq, Wk, Wv, Wo.
+      tie_mlp: gated MLP as the gradient of the element-wise energy (down = gateᵀ).
+      interaction: "lowrank" (rank-K heads) or "dplr" (adds a diagonal term yᵀ diag(d_h) c).
+      diagonal: "per_head" (one d_h ∈ R^D per head) or "shared" (one d for all heads).
+      preconditioner: "none" | "scalar" | "diag" | "dplr" (positive definite by construction).
+      preconditioner_rank: rank r of the low-rank part of the "dplr" preconditioner.
+      steps: gradient steps per sub-layer with the same weights (T ≥ 1; 1 = a pre-norm block).
+      recompute_context: re-normalize the context from the current residual at every step
+        (default False: the context is the sub-layer's input, a conditional energy).
+      gradient_wrt: "normalized" (gradient in y = RMSNorm(x), as a pre-norm block does) or
+        "residual" (through the norm, with respect to x; a true descent step on x).
+      position: "rope" or "none" (NoPE).
+      impl: "autodiff" (-jax.grad of the energy) or "xla" (closed form); both agree.
+    """
+
+    vocab_size: int = 2048
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    mlp_dim: int = 704
+    activation: str = "silu"
+    tie_attention: bool = True
+    tie_mlp: bool = True
+    interaction: str = "lowrank"
+    diagonal: str = "per_head"
+    preconditioner: str = "scalar"
+    preconditioner_rank: int = 4
+    steps: int = 1
+    recompute_context: bool = False
+    gradient_wrt: str = "normalized"
+    position: str = "rope"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    impl: str = "xla"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    scan_layers: bool = True
+    remat: str = "none"
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def kv_heads(self) -> int:
+        """G, the number of key heads (defaults to H: multi-head attention)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_width(self) -> int:
+        """K, the width of one head (defaults to D // H)."""
+        return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the first field that is out of range or inconsistent."""
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "steps",
+                     "preconditioner_rank"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
+                     getattr(self, name), "a positive integer")
+        for name, allowed in (("activation", ACTIVATIONS), ("interaction", INTERACTIONS),
+                              ("diagonal", DIAGONALS), ("preconditioner", PRECONDITIONERS),
+                              ("position", POSITIONS), ("impl", IMPLS),
+                              ("gradient_wrt", GRADIENT_WRT), ("dtype", DTYPES),
+                              ("param_dtype", DTYPES), ("remat", REMAT)):
+            _require(getattr(self, name) in allowed, name, getattr(self, name),
+                     "one of " + ", ".join(repr(a) for a in allowed))
+        if self.head_dim is None:
+            _require(self.d_model % self.num_heads == 0, "d_model", self.d_model,
+                     f"divisible by num_heads={self.num_heads} (or set head_dim explicitly)")
+        else:
+            _require(isinstance(self.head_dim, int) and self.head_dim >= 1, "head_dim",
+                     self.head_dim, "a positive integer or null")
+        if self.position == "rope":
+            _require(self.head_width % 2 == 0, "head_dim", self.head_width,
+                     "even when position='rope' (RoPE rotates pairs of features)")
+        g = self.kv_heads
+        _require(isinstance(g, int) and g >= 1 and self.num_heads % g == 0, "num_kv_heads", g,
+                 f"a positive divisor of num_heads={self.num_heads} (GQA)")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            _require(float(getattr(self, name)) > 0, name, getattr(self, name), "> 0")
+
+
+def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"config field {field!r} = {value!r} is invalid: it must be {allowed}")
+
+
+def from_dict(cls: type[T], values: dict[str, Any], *, section: str = "") -> T:
+    """Build dataclass `cls` from a mapping; unknown keys raise `ValueError` with a suggestion."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    where = f" in section {section!r}" if section else ""
+    for key in values:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown config field {key!r}{where}{hint} "
+                             f"(known: {', '.join(sorted(fields))})")
+    return cls(**values)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a dict; raises `FileNotFoundError`/`ValueError` clearly."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from err
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return values
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of nested `values` with `section.key=value` overrides applied.
+
+    Values are parsed as YAML scalars (`2` → int, `false` → bool, `null` → None).
+    Raises `ValueError` for a string without `=` or a path through a non-mapping.
+    """
+    out = yaml.safe_load(yaml.safe_dump(values))  # deep copy of plain data
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {part!r} is not a section")
+        node[leaf] = yaml.safe_load(raw)
+    return out
+
+
+def load_model_config(path: str | Path | None = None, overrides: list[str] = ()) -> ModelConfig:
+    """The `model:` section of a YAML file (or defaults when `path` is None), with overrides
+    given as `model.key=value` or plain `key=value`."""
+    values = load_yaml(path) if path is not None else {}
+    values = apply_overrides(values, [o if "." in o.split("=")[0] else f"model.{o}"
+                                      for o in overrides])
+    return from_dict(ModelConfig, values.get("model") or {}, section="model")

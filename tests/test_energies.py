@@ -1,0 +1,137 @@
+"""The energies themselves: antiderivatives, RoPE, and the energy formulas against brute force."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import rotation_matrix
+from scipy import integrate, special
+
+from cem_jax.energies import (
+    ACTIVATIONS,
+    AttentionSpec,
+    attention_energy,
+    get_activation,
+    mlp_energy,
+    rope,
+)
+
+SIGMA = {
+    "silu": lambda a: a * special.expit(a),
+    "gelu": lambda a: a * special.ndtr(a),
+    "relu": lambda a: max(a, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_antiderivative_is_the_integral_of_the_activation(name):
+    # Φ(a) = ∫_{-∞}^a σ, checked by quadrature (float64 reference, fp32 under test).
+    points = np.array([-30.0, -6.0, -1.5, -0.3, 0.0, 0.4, 2.0, 7.0, 25.0])
+    want = [integrate.quad(SIGMA[name], -np.inf, a, limit=200)[0] for a in points]
+    got = np.asarray(get_activation(name).antiderivative(jnp.asarray(points, jnp.float32)))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_antiderivative_derivative_is_activation(name):
+    # Finite differences of the primal formula in float64 (not the custom JVP rule).
+    act = get_activation(name)
+    with jax.enable_x64(True):
+        a = jnp.linspace(-12.0, 12.0, 97, dtype=jnp.float64) + 0.013  # avoid ReLU's kink
+        h = 1e-5
+        fd = (act.antiderivative(a + h) - act.antiderivative(a - h)) / (2 * h)
+        np.testing.assert_allclose(fd, act.fn(a), atol=1e-7)
+        np.testing.assert_allclose(jax.vmap(jax.grad(act.antiderivative))(a), act.fn(a),
+                                   atol=1e-12)
+
+
+def test_silu_antiderivative_is_finite_and_accurate_at_extremes():
+    a = jnp.asarray([-1e4, -500.0, -90.0, 90.0, 500.0, 1e4], jnp.float32)
+    phi = np.asarray(get_activation("silu").antiderivative(a), np.float64)
+    assert np.all(np.isfinite(phi))
+    np.testing.assert_allclose(phi[:3], 0.0, atol=1e-30)  # Φ(-∞) = 0, no -0·inf NaNs
+    big = np.asarray(a[3:], np.float64)
+    np.testing.assert_allclose(phi[3:], big**2 / 2 - math.pi**2 / 6, rtol=1e-6)
+    grad = jax.vmap(jax.grad(get_activation("silu").antiderivative))(a)
+    assert np.all(np.isfinite(np.asarray(grad)))
+
+
+def test_unknown_activation_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown activation 'tanh'"):
+        get_activation("tanh")
+
+
+def test_rope_equals_explicit_rotation_matrices_and_inverts():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 3, 5, 8)).astype(np.float32)
+    pos = np.array([[0, 1, 2, 3, 4], [7, 3, 0, 11, 2]])
+    got = np.asarray(rope(jnp.asarray(x), jnp.asarray(pos)))
+    R = np.array([[rotation_matrix(p, 8) for p in row] for row in pos])
+    want = np.einsum("btij,bntj->bnti", R, x)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    back = rope(jnp.asarray(got), -jnp.asarray(pos))
+    np.testing.assert_allclose(back, x, atol=1e-5)
+
+
+def _brute_attention_energy(params, y, c, spec, use_rope, segment_ids=None):
+    """E_t = -(1/β) Σ_h log Σ_{s≤t} exp(β a_h(y_t, c_s)), by explicit loops in float64."""
+    Wq, Wk = np.asarray(params["query"], np.float64), np.asarray(params["key"], np.float64)
+    d = params.get("diag")
+    B, T, D = y.shape
+    H, G, K = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    beta = 1 / math.sqrt(K)
+    E = np.zeros((B, T))
+    for b in range(B):
+        for t in range(T):
+            for h in range(H):
+                g = h // (H // G)
+                scores = []
+                for s in range(t + 1):
+                    if segment_ids is not None and segment_ids[b, s] != segment_ids[b, t]:
+                        continue
+                    Rt = rotation_matrix(t, K) if use_rope else np.eye(K)
+                    Rs = rotation_matrix(s, K) if use_rope else np.eye(K)
+                    a = (Rt @ (y[b, t] @ Wq[:, h])) @ (Rs @ (c[b, s] @ Wk[:, g]))
+                    if d is not None:
+                        dh = np.asarray(d)[h] if np.ndim(d) == 2 else np.asarray(d)
+                        a += y[b, t] @ (dh * c[b, s])
+                    scores.append(beta * a)
+                E[b, t] -= special.logsumexp(scores) / beta
+    return E
+
+
+@pytest.mark.parametrize("use_rope", [True, False])
+@pytest.mark.parametrize("G", [4, 2, 1])
+@pytest.mark.parametrize("diag", [None, "per_head", "shared"])
+def test_attention_energy_matches_brute_force(use_rope, G, diag):
+    rng = np.random.default_rng(1)
+    B, T, D, H, K = 2, 5, 6, 4, 4
+    spec = AttentionSpec(H, G, K, use_rope)
+    params = {"query": rng.normal(size=(D, H, K)), "key": rng.normal(size=(D, G, K))}
+    if diag == "per_head":
+        params["diag"] = rng.normal(size=(H, D))
+    elif diag == "shared":
+        params["diag"] = rng.normal(size=(D,))
+    y, c = rng.normal(size=(B, T, D)), rng.normal(size=(B, T, D))
+    seg = np.array([[1, 1, 2, 2, 2], [1, 1, 1, 1, 1]])
+    for segment_ids in (None, seg):
+        got = attention_energy(jax.tree.map(jnp.float32, params), jnp.float32(y),
+                               jnp.float32(c), spec=spec,
+                               segment_ids=None if segment_ids is None else jnp.asarray(seg))
+        want = _brute_attention_energy(params, y, c, spec, use_rope, segment_ids)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_mlp_energy_matches_formula(name):
+    rng = np.random.default_rng(2)
+    D, F = 5, 7
+    params = {"gate": rng.normal(size=(D, F)), "up": rng.normal(size=(D, F))}
+    y, c = rng.normal(size=(2, 3, D)), rng.normal(size=(2, 3, D))
+    phi = np.vectorize(lambda a: integrate.quad(SIGMA[name], -np.inf, a)[0])
+    want = -np.sum((c @ params["up"]) * phi(y @ params["gate"]), axis=-1)
+    got = mlp_energy(jax.tree.map(jnp.float32, params), jnp.float32(y), jnp.float32(c),
+                     activation=get_activation(name))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
