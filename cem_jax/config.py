@@ -51,6 +51,7 @@ class ModelConfig:
         "residual" (through the norm, with respect to x; a true descent step on x).
       position: "rope" or "none" (NoPE).
       impl: "autodiff" (-jax.grad of the energy) or "xla" (closed form); both agree.
+      attention_block: query block of the xla attention's causal block skipping (speed only).
     """
 
     vocab_size: int = 2048
@@ -76,6 +77,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     impl: str = "xla"
+    attention_block: int = 128
     dtype: str = "float32"
     param_dtype: str = "float32"
     scan_layers: bool = True
@@ -96,8 +98,9 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first field that is out of range or inconsistent."""
+        check_field_types(self)
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "steps",
-                     "preconditioner_rank"):
+                     "preconditioner_rank", "attention_block"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
                      getattr(self, name), "a positive integer")
         for name, allowed in (("activation", ACTIVATIONS), ("interaction", INTERACTIONS),
@@ -123,6 +126,21 @@ class ModelConfig:
             _require(float(getattr(self, name)) > 0, name, getattr(self, name), "> 0")
 
 
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def check_field_types(obj: Any) -> None:
+    """Check every field of dataclass `obj` against its annotation (`int`, `float`, `bool`,
+    `str`, optionally `| None`); bools are not accepted as numbers. Raises `ValueError`."""
+    for f in dataclasses.fields(obj):
+        value, kinds = getattr(obj, f.name), str(f.type).replace(" ", "").split("|")
+        if value is None and "None" in kinds:
+            continue
+        allowed = tuple(t for k in kinds for t in _TYPES.get(k, (object,)))
+        ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+        _require(ok, f.name, value, f"of type {f.type}")
+
+
 def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ValueError(f"config field {field!r} = {value!r} is invalid: it must be {allowed}")
@@ -138,7 +156,18 @@ def from_dict(cls: type[T], values: dict[str, Any], *, section: str = "") -> T:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"unknown config field {key!r}{where}{hint} "
                              f"(known: {', '.join(sorted(fields))})")
+    floats = {f.name for f in dataclasses.fields(cls) if str(f.type).startswith("float")}
+    values = {k: _as_float(v) if k in floats else v for k, v in values.items()}
     return cls(**values)
+
+
+def _as_float(value: Any) -> Any:
+    """YAML 1.1 reads `3e-4` as a string; accept it (and ints) for float fields."""
+    try:
+        return float(value) if isinstance(value, str | int) and not isinstance(value, bool) \
+            else value
+    except ValueError:
+        return value
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -128,13 +128,15 @@ def default_positions(batch: int, seq_len: int) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    """Static shape and position settings of one attention sub-layer (H, G, K, RoPE)."""
+    """Static settings of one attention sub-layer: H, G, K, RoPE, and the query block size of
+    the closed-form update (it does not change the math)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     use_rope: bool = True
     rope_theta: float = 10000.0
+    block_size: int = 128  # query block of the closed form's causal block skipping
 
     @property
     def beta(self) -> float:

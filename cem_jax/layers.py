@@ -65,7 +65,8 @@ class Attention(nnx.Module):
         D, H, G, K = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_width
         std, dt = cfg.init_std, jnp.dtype(cfg.param_dtype)
         self.tied = cfg.tie_attention
-        self.spec = AttentionSpec(H, G, K, cfg.position == "rope", cfg.rope_theta)
+        self.spec = AttentionSpec(H, G, K, cfg.position == "rope", cfg.rope_theta,
+                                  cfg.attention_block)
         self.query = param(rngs, (D, H, K), ("embed", "heads", None), std=std, dtype=dt)
         self.key = param(rngs, (D, G, K), ("embed", "kv_heads", None), std=std, dtype=dt)
         if not self.tied:

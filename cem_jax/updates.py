@@ -13,6 +13,7 @@ ordinary Llama output, so a baseline block is exactly a pre-norm Llama block at 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -62,25 +63,71 @@ def rms_norm_vjp(x: Array, scale: Array, eps: float, v: Array) -> Array:
 # ----------------------------------------------------------------------------------------------
 
 
-def _softmax_weights(logits: Array, mask: Array) -> tuple[Array, Array]:
-    """Masked softmax over the last axis, fp32: (p, logsumexp)."""
-    logits = jnp.where(mask, logits, -jnp.inf)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.exp(logits - lse[..., None]), lse
+def _split_heads(x: Array, w: Array) -> Array:
+    """Project x [B,T,D] with w [D,N,K] to heads-major [B,N,T,K] (one 2-D matmul, then a
+    transpose: faster on CPU than a direct einsum into that layout)."""
+    B, T, _ = x.shape
+    D, N, K = w.shape
+    return (x @ w.reshape(D, N * K)).reshape(B, T, N, K).transpose(0, 2, 1, 3)
 
 
-def _queries(y: Array, w: Array, positions: Array, spec: AttentionSpec) -> Array:
-    """Rotated queries, heads-major [B,G,R,T,K] (heads-major layout is fastest on CPU)."""
-    B, T, _ = y.shape
-    q = jnp.einsum("btd,dhk->bhtk", y, w)
-    q = rope(q, positions, spec.rope_theta) if spec.use_rope else q
-    return q.reshape(B, spec.num_kv_heads, -1, T, spec.head_dim)
+def _merge_heads(o: Array, w: Array) -> Array:
+    """Σ_n W_n o_n: heads-major o [B,N,T,K] with w [D,N,K] back to [B,T,D]."""
+    B, N, T, K = o.shape
+    return o.transpose(0, 2, 1, 3).reshape(B, T, N * K) @ w.reshape(-1, N * K).T
 
 
-def _keys(c: Array, w: Array, positions: Array, spec: AttentionSpec) -> Array:
-    """Rotated keys, heads-major [B,G,S,K]."""
-    k = jnp.einsum("btd,dgk->bgtk", c, w)
-    return rope(k, positions, spec.rope_theta) if spec.use_rope else k
+def _rotated(x: Array, positions: Array, spec: AttentionSpec) -> Array:
+    return rope(x, positions, spec.rope_theta) if spec.use_rope else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attend(q: Array, k: Array, v: Array, mask: Array, beta: float) -> Array:
+    """o = softmax(β q kᵀ, masked) v, per batch and key head; the rows of q may hold several
+    query heads of one group (GQA) and several positions.
+
+    q [B,G,M,K], k [B,G,S,K], v [B,G,S,V], mask bool broadcastable to [B,G,M,S] (True = may
+    attend; every row needs one True). Scores and softmax in fp32; returns [B,G,M,V] in q.dtype.
+    Backward (flash-attention style, Dao et al. 2022): with δ = rowsum(do ⊙ o),
+    ds = β p ⊙ (do vᵀ - δ), dq = ds k, dk = dsᵀ q, dv = pᵀ do; passing the same array as k and v
+    (CEM: values are the keys) folds the value gradient into dk.
+    """
+    return _attend_fwd(q, k, v, mask, beta)[0]
+
+
+def _attend_fwd(q, k, v, mask, beta):
+    logits = jnp.matmul(q, k.swapaxes(-1, -2), preferred_element_type=jnp.float32)
+    p = jax.nn.softmax(jnp.where(mask, logits * beta, -jnp.inf), axis=-1).astype(q.dtype)
+    o = jnp.matmul(p, v)
+    return o, (q, k, v, p, o)
+
+
+def _attend_bwd(beta, residuals, do):
+    q, k, v, p, o = residuals
+    delta = jnp.sum(do.astype(jnp.float32) * o, axis=-1, keepdims=True)
+    dp = jnp.matmul(do, v.swapaxes(-1, -2), preferred_element_type=jnp.float32)
+    ds = (beta * p * (dp - delta)).astype(q.dtype)
+    dq = jnp.matmul(ds, k)
+    dk = jnp.matmul(ds.swapaxes(-1, -2), q)
+    dv = jnp.matmul(p.swapaxes(-1, -2), do)
+    return dq, dk, dv, None
+
+
+attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _causal_attention(q: Array, k: Array, v: Array, mask: Array, spec: AttentionSpec) -> Array:
+    """`attend` over causal query blocks of `spec.block_size`: q [B,G,R,T,K], k [B,G,S,K],
+    v [B,G,S,V], mask [B|1,1,1,T,S] → o [B,G,R,T,V]. Rows [lo, hi) read keys [0, hi) only."""
+    B, G, R, T, K = q.shape
+    blocks = []
+    for lo in range(0, T, spec.block_size):
+        hi, n = min(lo + spec.block_size, T), min(spec.block_size, T - lo)
+        qb = q[:, :, :, lo:hi].reshape(B, G, R * n, K)
+        mb = jnp.broadcast_to(mask[..., lo:hi, :hi], (mask.shape[0], 1, R, n, hi))
+        ob = attend(qb, k[:, :, :hi], v[:, :, :hi], mb.reshape(-1, 1, R * n, hi), spec.beta)
+        blocks.append(ob.reshape(B, G, R, n, -1))
+    return jnp.concatenate(blocks, axis=-2)
 
 
 class Mixer(NamedTuple):
@@ -103,34 +150,35 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
         u_t = Σ_h [ Wq_h R_tᵀ Σ_s p_ts R_s Wk_g c_s + d_h ⊙ Σ_s p_ts c_s ],  p_t = softmax(β a_h)
 
     Values are the rotated keys, the output projection is Wqᵀ; the diagonal (DPLR) part attends
-    with query d_h ⊙ y and key/value c. params as in `attention_energy`.
+    with query d_h ⊙ y and key/value c, computed as a second head concatenated onto the
+    low-rank one. params as in `attention_energy`; causal blocks of `spec.block_size` queries
+    skip the keys after them.
     """
     diag = params.get("diag")
+    G = spec.num_kv_heads
 
     def prepare(c):
         B, T, _ = c.shape
         pos = default_positions(B, T) if positions is None else positions
-        return c, pos, _keys(c, params["key"], pos, spec), attention_mask(segment_ids, T)
+        k = _rotated(_split_heads(c, params["key"]), pos, spec)  # [B,G,S,K]
+        return c, pos, k, attention_mask(segment_ids, T)
 
     def direction(y, prepared):
         c, pos, k, mask = prepared
         B, T, D = y.shape
-        q = _queries(y, params["query"], pos, spec)
-        logits = jnp.einsum("bgrtk,bgsk->bgrts", q, k, preferred_element_type=jnp.float32)
-        if diag is not None:
+        K = spec.head_dim
+        q = _rotated(_split_heads(y, params["query"]), pos, spec).reshape(B, G, -1, T, K)
+        if diag is not None:  # the diagonal as a second head: query d_h ⊙ y, key/value c
             yd = y[:, None] * diag.reshape(-1, 1, D)  # [B,H or 1,T,D]
-            dl = jnp.einsum("bhtd,bsd->bhts", yd, c, preferred_element_type=jnp.float32)
-            logits = logits + dl.reshape(B, -1, 1 if diag.ndim == 1 else q.shape[2], T, T)
-        p, _ = _softmax_weights(logits * spec.beta, mask)
-        p = p.astype(y.dtype)
-        o = jnp.einsum("bgrts,bgsk->bgrtk", p, k).reshape(B, spec.num_heads, T, -1)
-        o = rope(o, -pos, spec.rope_theta) if spec.use_rope else o
-        u = jnp.einsum("bhtk,dhk->btd", o, params["query"])
-        if diag is not None and diag.ndim == 2:  # per head: Σ_h d_h ⊙ (p_h @ c)
-            oc = jnp.einsum("bhts,bsd->bhtd", p.reshape(B, -1, T, T), c)
-            u = u + jnp.einsum("bhtd,hd->btd", oc, diag)
-        elif diag is not None:  # shared d: Σ_h d ⊙ (p_h @ c) = d ⊙ ((Σ_h p_h) @ c)
-            u = u + diag * jnp.einsum("bts,bsd->btd", p.sum(axis=(1, 2)), c)
+            yd = jnp.broadcast_to(yd, (B, spec.num_heads, T, D)).reshape(B, G, -1, T, D)
+            q = jnp.concatenate([q, yd], axis=-1)
+            k = jnp.concatenate([k, jnp.broadcast_to(c[:, None], (B, G, T, D))], axis=-1)
+        o = _causal_attention(q, k, k, mask, spec).reshape(B, spec.num_heads, T, -1)
+        u = _merge_heads(_rotated(o[..., :K], -pos, spec), params["query"])  # Wq R_tᵀ (p @ k)
+        if diag is not None and diag.ndim == 2:  # Σ_h d_h ⊙ (p_h @ c)
+            u = u + jnp.einsum("bhtd,hd->btd", o[..., K:], diag)
+        elif diag is not None:
+            u = u + diag * o[..., K:].sum(axis=1)
         return u
 
     def energy(y, c):
@@ -144,21 +192,20 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
                           segment_ids: Array | None) -> Mixer:
     """Untied Llama attention (the baseline): softmax(β q kᵀ) v Wo with free Wq [D,H,K],
     Wk [D,G,K], Wv [D,G,K], Wo [H,K,D]; queries from y, keys/values from c. No energy."""
+    G = spec.num_kv_heads
 
     def prepare(c):
         B, T, _ = c.shape
         pos = default_positions(B, T) if positions is None else positions
-        v = jnp.einsum("btd,dgk->bgtk", c, params["value"])
-        return pos, _keys(c, params["key"], pos, spec), v, attention_mask(segment_ids, T)
+        k = _rotated(_split_heads(c, params["key"]), pos, spec)
+        return pos, k, _split_heads(c, params["value"]), attention_mask(segment_ids, T)
 
     def direction(y, prepared):
         pos, k, v, mask = prepared
         B, T, _ = y.shape
-        q = _queries(y, params["query"], pos, spec)
-        logits = jnp.einsum("bgrtk,bgsk->bgrts", q, k, preferred_element_type=jnp.float32)
-        p, _ = _softmax_weights(logits * spec.beta, mask)
-        o = jnp.einsum("bgrts,bgsk->bgrtk", p.astype(y.dtype), v)
-        return jnp.einsum("bhtk,hkd->btd", o.reshape(B, spec.num_heads, T, -1), params["out"])
+        q = _rotated(_split_heads(y, params["query"]), pos, spec)
+        o = _causal_attention(q.reshape(B, G, -1, T, spec.head_dim), k, v, mask, spec)
+        return _merge_heads(o.reshape(B, spec.num_heads, T, -1), params["out"].transpose(2, 0, 1))
 
     return Mixer(prepare, direction, None)
 

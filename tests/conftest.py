@@ -2,5 +2,5 @@
 
 from hypothesis import settings
 
-settings.register_profile("cem", max_examples=6, deadline=None, derandomize=True)
+settings.register_profile("cem", max_examples=5, deadline=None, derandomize=True)
 settings.load_profile("cem")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from cem_jax.energies import AttentionSpec, get_activation
 from cem_jax.updates import (
+    attend,
     precondition,
     rms_norm,
     rms_norm_vjp,
@@ -62,8 +63,8 @@ def test_attention_closed_form_equals_autodiff(use_rope, G, diag):
     seg = jnp.array([[1, 1, 1, 2, 2, 3, 3], [1, 1, 1, 1, 1, 1, 1]])
     pos = jnp.array([[0, 1, 2, 0, 1, 0, 1], list(range(T))])
     for positions, segment_ids in ((None, None), (pos, seg)):
-        mixer = tied_attention_mixer(params, AttentionSpec(H, G, K, use_rope), positions,
-                                     segment_ids)
+        spec = AttentionSpec(H, G, K, use_rope, block_size=3)
+        mixer = tied_attention_mixer(params, spec, positions, segment_ids)
         got = mixer.direction(y, mixer.prepare(c))
         assert_close_to_scale(got, autodiff_direction(mixer, y, c))
 
@@ -79,12 +80,14 @@ def test_mlp_closed_form_equals_autodiff(name):
 @given(B=st.integers(1, 3), T=st.integers(1, 9), G=st.sampled_from([1, 2, 3]),
        R=st.sampled_from([1, 2]), K=st.sampled_from([2, 4, 8]), D=st.integers(2, 12),
        diag=st.sampled_from([None, "per_head", "shared"]), use_rope=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_attention_closed_form_equals_autodiff_hypothesis(B, T, G, R, K, D, diag, use_rope, seed):
+       block=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_attention_closed_form_equals_autodiff_hypothesis(B, T, G, R, K, D, diag, use_rope, block,
+                                                          seed):
     H = G * R
     params = attention_params(jax.random.PRNGKey(seed), D, H, G, K, diag)
     y, c = jax.random.normal(jax.random.PRNGKey(seed + 1), (2, B, T, D))
-    mixer = tied_attention_mixer(params, AttentionSpec(H, G, K, use_rope), None, None)
+    mixer = tied_attention_mixer(params, AttentionSpec(H, G, K, use_rope, block_size=block),
+                                 None, None)
     assert_close_to_scale(mixer.direction(y, mixer.prepare(c)), autodiff_direction(mixer, y, c))
 
 
@@ -107,7 +110,7 @@ def test_rms_norm_vjp_equals_autodiff():
 def _mixers(D=12):
     key = jax.random.PRNGKey(3)
     yield "attention", tied_attention_mixer(attention_params(key, D, 4, 2, 6), AttentionSpec(
-        4, 2, 6, True), None, None)
+        4, 2, 6, True, block_size=4), None, None)
     yield "attention_dplr", tied_attention_mixer(attention_params(key, D, 4, 4, 6, "per_head"),
                                                  AttentionSpec(4, 4, 6, False), None, None)
     yield "mlp", tied_mlp_mixer(mlp_params(key, D, 20), get_activation("silu"))
@@ -166,3 +169,27 @@ def test_unknown_impl_and_preconditioner_are_clear_errors():
                   impl="pallas2")
     with pytest.raises(ValueError, match="unknown preconditioner 'adam'"):
         precondition("adam", {}, x)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["values_are_keys", "free_values"])
+def test_attend_backward_equals_autodiff_of_reference(tied):
+    # The hand-written (flash-style) backward of `attend` against XLA autodiff of plain jnp.
+    B, G, M, S, K = 2, 3, 5, 7, 4
+    q = jax.random.normal(jax.random.PRNGKey(9), (B, G, M, K))
+    k = jax.random.normal(jax.random.PRNGKey(10), (B, G, S, K))
+    v = k if tied else jax.random.normal(jax.random.PRNGKey(11), (B, G, S, K))
+    mask = jax.random.bernoulli(jax.random.PRNGKey(12), 0.6, (B, 1, M, S)).at[..., 0].set(True)
+    w = jax.random.normal(jax.random.PRNGKey(13), (B, G, M, K))
+
+    def reference(q, k, v):
+        logits = jnp.where(mask, 0.5 * q @ k.swapaxes(-1, -2), -jnp.inf)
+        return jax.nn.softmax(logits, axis=-1) @ v
+
+    def loss(fn, q, k):
+        return jnp.sum(w * fn(q, k, k if tied else v))
+
+    got = jax.grad(lambda q, k: loss(lambda *a: attend(*a, mask, 0.5), q, k), (0, 1))(q, k)
+    want = jax.grad(lambda q, k: loss(reference, q, k), (0, 1))(q, k)
+    assert_close_to_scale(attend(q, k, v, mask, 0.5), reference(q, k, v))
+    for a, b in zip(got, want, strict=True):
+        assert_close_to_scale(a, b)

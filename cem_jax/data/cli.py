@@ -92,7 +92,7 @@ def _print_counts(cfg: DataConfig, tokenizer: Tokenizer) -> None:
             continue
         s = data.stats
         print(f"{split:<11}{s.documents:>10,}{s.bytes:>14,}{s.tokens:>12,}"
-              f"{s.bytes / s.tokens:>13.3f}  {data.description}")
+              f"{s.bytes_per_token:>13.3f}  {data.description}")
 
 
 def _print_held_out(works: dict[str, bytes], total: int) -> None:

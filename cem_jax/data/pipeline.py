@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grain
+import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -58,6 +59,11 @@ class SplitStats:
     documents: int
     tokens: int
     bytes: int
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Mean UTF-8 bytes of text per target token (how much the tokenizer compresses)."""
+        return self.bytes / self.tokens
 
     def bits_per_byte(self, loss_nats_per_token: float) -> float:
         """Mean loss (nats per target token) → bits per UTF-8 byte: loss·tokens / bytes / ln 2."""
@@ -132,6 +138,8 @@ def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *,
     Each batch is a dict of int32 [B/P, T] arrays "inputs", "targets", "segment_ids",
     "positions" (B = cfg.batch_size, T = cfg.seq_len, P = process_count; process index and
     count default to `jax.process_index()` / `jax.process_count()`).
+    Resuming: `get_state()` is a JSON-able dict; `set_state(state)` on an iterator made from
+    the same config, tokenizer and process layout continues with the very next batch.
     Raises ValueError: the tokenizer's vocab size is not `cfg.vocab_size`, B is not divisible
     by P, the process index is out of range, or the training split is shorter than one row.
     """
@@ -243,8 +251,6 @@ def _process(cfg: DataConfig, tokenizer: Tokenizer, process_index: int | None,
         raise ValueError(f"tokenizer has vocab_size {tokenizer.vocab_size} but the data config "
                          f"says vocab_size {cfg.vocab_size}")
     if process_index is None or process_count is None:
-        import jax  # already imported by grain; initializes the backend on first call
-
         process_index, process_count = jax.process_index(), jax.process_count()
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")

@@ -117,11 +117,11 @@ def test_real_corpus_tokenizes_and_round_trips(archive_cache, report):
     train, val = stats["train"], stats["validation"]
     report["real-corpus"] = (
         f"data: Shakespeare with the 2k BPE tokenizer: train {train.tokens:,} tokens "
-        f"({train.bytes / train.tokens:.2f} bytes/token), validation {val.tokens:,} tokens "
-        f"({val.bytes / val.tokens:.2f} bytes/token), Milton {stats['milton'].tokens:,} tokens")
+        f"({train.bytes_per_token:.2f} bytes/token), validation {val.tokens:,} tokens "
+        f"({val.bytes_per_token:.2f} bytes/token), Milton {stats['milton'].tokens:,} tokens")
     assert (train.documents, val.documents, stats["milton"].documents) == (39, 3, 4)
     assert train.bytes + val.bytes == 5_057_198
-    assert 1_000_000 < train.tokens < 2_500_000 and 2.2 < train.bytes / train.tokens < 3.5
+    assert 1_000_000 < train.tokens < 2_500_000 and 2.2 < train.bytes_per_token < 3.5
     assert 0.03 < val.tokens / (train.tokens + val.tokens) < 0.07
     for doc in resolve_split(cfg, "validation").documents():
         assert tokenizer.decode(tokenizer.encode(doc.text)) == doc.text, doc.name

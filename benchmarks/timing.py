@@ -1,0 +1,29 @@
+"""Timing helpers for the benchmarks: compile once, then interleave the contenders so that the
+noise of a shared machine falls on all of them alike; report the median."""
+
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+
+def median_times(fns: dict[str, Callable[[], object]], repeats: int = 7) -> dict[str, float]:
+    """Median wall time in seconds of each zero-argument jitted call (after a warm-up call)."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
+    """Measured fp32 FLOP/s of one jitted n×n matmul (the CPU's practical peak)."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n))
+    f = jax.jit(lambda x: x @ x)
+    seconds = median_times({"matmul": lambda: f(a)}, repeats)["matmul"]
+    return 2 * n**3 / seconds

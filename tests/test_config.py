@@ -1,0 +1,54 @@
+"""Model config: validation errors name the field; YAML with key=value overrides."""
+
+import pytest
+
+from cem_jax.config import ModelConfig, apply_overrides, load_model_config
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(d_model=30, num_heads=4), "d_model"),
+    (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
+    (dict(steps=0), "steps"),
+    (dict(activation="tanh"), "activation"),
+    (dict(preconditioner="adam"), "preconditioner"),
+    (dict(interaction="full"), "interaction"),
+    (dict(position="alibi"), "position"),
+    (dict(impl="cuda"), "impl"),
+    (dict(dtype="float16"), "dtype"),
+    (dict(head_dim=3, num_heads=4), "head_dim"),
+    (dict(num_layers=True), "num_layers"),
+    (dict(tie_mlp="yes"), "tie_mlp"),
+    (dict(norm_eps=0.0), "norm_eps"),
+])
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"'{field}'"):
+        ModelConfig(**kwargs)
+
+
+def test_derived_shapes():
+    cfg = ModelConfig(d_model=64, num_heads=8, num_kv_heads=2)
+    assert (cfg.head_width, cfg.kv_heads) == (8, 2)
+    assert ModelConfig(d_model=64, num_heads=8, head_dim=16).head_width == 16
+
+
+def test_yaml_with_overrides(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("model:\n  d_model: 64\n  num_heads: 4\n  tie_mlp: false\nother: {a: 1}\n")
+    cfg = load_model_config(path, ["steps=2", "model.preconditioner=diag", "tie_mlp=true"])
+    assert (cfg.d_model, cfg.steps, cfg.preconditioner, cfg.tie_mlp) == (64, 2, "diag", True)
+    assert apply_overrides({"a": {"b": 1}}, ["a.c=null", "d.e=x=y"]) == \
+        {"a": {"b": 1, "c": None}, "d": {"e": "x=y"}}
+    assert load_model_config(None, ["norm_eps=1e-6", "rope_theta=500000"]).norm_eps == 1e-6
+
+
+def test_yaml_errors_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  d_modle: 64\n")
+    with pytest.raises(ValueError, match="unknown config field 'd_modle'.*did you mean 'd_model'"):
+        load_model_config(bad)
+    with pytest.raises(ValueError, match="must look like section.key=value"):
+        load_model_config(None, ["steps"])
+    with pytest.raises(ValueError, match="'steps'"):
+        load_model_config(None, ["steps=-1"])
