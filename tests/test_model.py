@@ -32,20 +32,27 @@ def model(**kw):
     return CEMTransformer(ModelConfig(**dict(SMALL, **kw)), rngs=nnx.Rngs(0))
 
 
+@nnx.jit
+def forward(m, tokens):
+    return m(tokens)
+
+
 def loss_fn(m, tokens):
     logits = m(tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
+value_and_grad = nnx.jit(nnx.value_and_grad(loss_fn))
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
 def test_causal_and_impls_agree(variant):
     m = model(**variant)
-    logits = m(TOKENS)
-    changed = TOKENS.at[:, 6:].set((TOKENS[:, 6:] + 7) % 40)
-    np.testing.assert_array_equal(np.asarray(m(changed)[:, :6]), np.asarray(logits[:, :6]))
-    assert np.max(np.abs(m(changed)[:, 6:] - logits[:, 6:])) > 1e-4  # the change is seen
-    m_auto = model(**variant, impl="autodiff")
-    assert_close_to_scale(m_auto(TOKENS), logits)
+    logits = forward(m, TOKENS)
+    changed = forward(m, TOKENS.at[:, 6:].set((TOKENS[:, 6:] + 7) % 40))
+    np.testing.assert_array_equal(np.asarray(changed[:, :6]), np.asarray(logits[:, :6]))
+    assert np.max(np.abs(changed[:, 6:] - logits[:, 6:])) > 1e-4  # the change is seen
+    assert_close_to_scale(forward(model(**variant, impl="autodiff"), TOKENS), logits)
 
 
 def test_documents_do_not_see_each_other():
@@ -63,8 +70,8 @@ def test_documents_do_not_see_each_other():
                                                   steps=2, num_kv_heads=2, tie_mlp=False)])
 def test_parameter_gradients_autodiff_equal_xla_and_finite_differences(variant):
     m_xla, m_auto = model(**variant), model(**variant, impl="autodiff")
-    loss, g_xla = nnx.value_and_grad(loss_fn)(m_xla, TOKENS)
-    g_auto = nnx.grad(loss_fn)(m_auto, TOKENS)
+    loss, g_xla = value_and_grad(m_xla, TOKENS)
+    _, g_auto = value_and_grad(m_auto, TOKENS)
     flat_xla, flat_auto = nnx.to_flat_state(nnx.state(g_xla)), nnx.to_flat_state(nnx.state(g_auto))
     for (path, a), (_, b) in zip(flat_xla, flat_auto, strict=True):
         assert np.all(np.isfinite(np.asarray(a[...]))), path
@@ -76,6 +83,7 @@ def test_parameter_gradients_autodiff_equal_xla_and_finite_differences(variant):
         grads64 = jax.tree.map(lambda v: v.astype(jnp.float64), nnx.state(g_xla))
         norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads64)))
 
+        @jax.jit
         def loss_at(h):
             moved = jax.tree.map(lambda p, g: p + h * g / norm, params64, grads64)
             return loss_fn(nnx.merge(graphdef, moved), TOKENS)
@@ -94,10 +102,10 @@ def test_scanned_unscanned_and_remat_models_agree():
     for layer, block in enumerate(unscanned.blocks):
         nnx.update(block, jax.tree.map(lambda a, i=layer: a[i], stacked))
     nnx.update(unscanned, nnx.state(scanned, nnx.Not(nnx.PathContains("blocks"))))
-    assert_close_to_scale(unscanned(TOKENS), scanned(TOKENS))
+    assert_close_to_scale(forward(unscanned, TOKENS), forward(scanned, TOKENS))
     remat = model(interaction="dplr", steps=2, remat="full")
-    g1 = nnx.grad(loss_fn)(scanned, TOKENS)
-    g2 = nnx.grad(loss_fn)(remat, TOKENS)
+    _, g1 = value_and_grad(scanned, TOKENS)
+    _, g2 = value_and_grad(remat, TOKENS)
     for a, b in zip(jax.tree.leaves(nnx.state(g1)), jax.tree.leaves(nnx.state(g2)), strict=True):
         assert_close_to_scale(a, b, 1e-5)
 
