@@ -23,7 +23,7 @@ INTERACTIONS = ("lowrank", "dplr")
 DIAGONALS = ("per_head", "shared")
 PRECONDITIONERS = ("none", "scalar", "diag", "dplr")
 POSITIONS = ("rope", "none")
-IMPLS = ("autodiff", "xla")
+IMPLS = ("autodiff", "xla", "pallas")
 GRADIENT_WRT = ("normalized", "residual")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full")
@@ -50,7 +50,9 @@ class ModelConfig:
       gradient_wrt: "normalized" (gradient in y = RMSNorm(x), as a pre-norm block does) or
         "residual" (through the norm, with respect to x; a true descent step on x).
       position: "rope" or "none" (NoPE).
-      impl: "autodiff" (-jax.grad of the energy) or "xla" (closed form); both agree.
+      impl: "autodiff" (-jax.grad of the energy), "xla" (closed form) or "pallas" (closed
+        form with tied attention in the fused Pallas kernel; interpret mode on CPU, slow);
+        all agree.
       attention_block: query block of the xla attention's causal block skipping (speed only).
     """
 

@@ -65,6 +65,7 @@ class Attention(nnx.Module):
         D, H, G, K = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_width
         std, dt = cfg.init_std, jnp.dtype(cfg.param_dtype)
         self.tied = cfg.tie_attention
+        self.impl = cfg.impl
         self.spec = AttentionSpec(H, G, K, cfg.position == "rope", cfg.rope_theta,
                                   cfg.attention_block)
         self.query = param(rngs, (D, H, K), ("embed", "heads", None), std=std, dtype=dt)
@@ -79,8 +80,9 @@ class Attention(nnx.Module):
 
     def mixer(self, positions: Array | None, segment_ids: Array | None, dtype) -> Mixer:
         params = _values(self, ("query", "key", "value", "out", "diag"), dtype)
-        make = tied_attention_mixer if self.tied else llama_attention_mixer
-        return make(params, self.spec, positions, segment_ids)
+        if self.tied:
+            return tied_attention_mixer(params, self.spec, positions, segment_ids, impl=self.impl)
+        return llama_attention_mixer(params, self.spec, positions, segment_ids)
 
 
 class MLP(nnx.Module):

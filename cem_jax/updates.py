@@ -144,7 +144,7 @@ class Mixer(NamedTuple):
 
 
 def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | None,
-                         segment_ids: Array | None) -> Mixer:
+                         segment_ids: Array | None, *, impl: str = "xla") -> Mixer:
     """CEM attention: u = -∇_y E_attn(y | c) in closed form (DESIGN.md §1):
 
         u_t = Σ_h [ Wq_h R_tᵀ Σ_s p_ts R_s Wk_g c_s + d_h ⊙ Σ_s p_ts c_s ],  p_t = softmax(β a_h)
@@ -152,7 +152,9 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
     Values are the rotated keys, the output projection is Wqᵀ; the diagonal (DPLR) part attends
     with query d_h ⊙ y and key/value c, computed as a second head concatenated onto the
     low-rank one. params as in `attention_energy`; causal blocks of `spec.block_size` queries
-    skip the keys after them.
+    skip the keys after them. impl="pallas" runs the attention core through the fused kernel
+    `cem_jax.kernels.tied_attention` (interpret mode on CPU); RoPE, its un-rotation, the DPLR
+    concatenation and the output projection stay in XLA around it.
     """
     diag = params.get("diag")
     G = spec.num_kv_heads
@@ -173,7 +175,10 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
             yd = jnp.broadcast_to(yd, (B, spec.num_heads, T, D)).reshape(B, G, -1, T, D)
             q = jnp.concatenate([q, yd], axis=-1)
             k = jnp.concatenate([k, jnp.broadcast_to(c[:, None], (B, G, T, D))], axis=-1)
-        o = _causal_attention(q, k, k, mask, spec).reshape(B, spec.num_heads, T, -1)
+        if impl == "pallas":
+            o = _pallas_attention(q.reshape(B, spec.num_heads, T, -1), k, segment_ids, spec)
+        else:
+            o = _causal_attention(q, k, k, mask, spec).reshape(B, spec.num_heads, T, -1)
         u = _merge_heads(_rotated(o[..., :K], -pos, spec), params["query"])  # Wq R_tᵀ (p @ k)
         if diag is not None and diag.ndim == 2:  # Σ_h d_h ⊙ (p_h @ c)
             u = u + jnp.einsum("bhtd,hd->btd", o[..., K:], diag)
@@ -186,6 +191,17 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
                                 segment_ids=segment_ids)
 
     return Mixer(prepare, direction, energy)
+
+
+def _pallas_attention(q: Array, k: Array, segment_ids: Array | None, spec: AttentionSpec
+                      ) -> Array:
+    """The tied kernel on heads-major q [B,H,T,W], k [B,G,S,W] (W = K, or K + D with DPLR)."""
+    from cem_jax.kernels import tied_attention  # imported on use: Pallas stays off xla/autodiff
+
+    o = tied_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), causal=True,
+                       segment_ids=segment_ids, scale=spec.beta,
+                       interpret=True if jax.default_backend() == "cpu" else None)
+    return o.transpose(0, 2, 1, 3)
 
 
 def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | None,
@@ -271,7 +287,7 @@ def precondition(kind: str, params: dict, u: Array) -> Array:
 # The step loop: the single dispatch point between implementations.
 # ----------------------------------------------------------------------------------------------
 
-IMPLS = ("autodiff", "xla")
+IMPLS = ("autodiff", "xla", "pallas")
 
 
 def run_steps(x0: Array, mixer: Mixer, *, norm_scale: Array, eps: float,
@@ -281,7 +297,8 @@ def run_steps(x0: Array, mixer: Mixer, *, norm_scale: Array, eps: float,
     """Apply one CEM sub-layer to the residual stream x0 [B,T,D]; returns (x_T, energies).
 
     impl: "xla" uses the closed form `mixer.direction`; "autodiff" uses -jax.grad of
-      `mixer.energy` (untied mixers have no energy and always use their forward).
+      `mixer.energy` (untied mixers have no energy and always use their forward); "pallas"
+      is the closed form too, with tied attention built with impl="pallas" (fused kernel).
     gradient_wrt: "normalized" (u = -∇_y E) or "residual" (u = -∇_x E(RMSNorm(x) | c)).
     recompute_context: c = RMSNorm(xᵏ) at every step instead of RMSNorm(x⁰).
     monitor: also return energies fp32 [steps, 2, B, T]: E(yᵏ | cᵏ) before and E(yᵏ⁺¹ | cᵏ)

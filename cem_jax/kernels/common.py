@@ -1,0 +1,197 @@
+"""Shared pieces of the tied-attention kernels: block sizes, validation, padding, masks.
+
+Letters as in DESIGN.md: B batch, T query length, S key length, H query heads, G key heads
+(GQA, H = G·R: query head h reads key head h // R), K head width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+BACKENDS = ("tpu", "gpu", "xla")
+
+# A finite "minus infinity" for masked logits: exp(MASK - m) underflows to 0 without the
+# inf - inf = nan of a true -inf when a whole block of a row is masked.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the tied flash-attention kernels (rows of q and of k per program).
+
+    block_q, block_k: query / key tile of the forward pass.
+    block_q_bwd, block_k_bwd: query / key tile of the two backward kernels (dq and dk).
+    Blocks are clipped to the (padded) sequence length, so short sequences use one tile.
+    Compiled TPU runs want multiples of 128 for the key tiles (lane width) and of 8 for the
+    query tiles; compiled GPU (Triton) runs want powers of two. Raises `ValueError` for a
+    non-positive size or one that is not a multiple of 8.
+    """
+
+    block_q: int = 128
+    block_k: int = 128
+    block_q_bwd: int = 128
+    block_k_bwd: int = 128
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 8 or v % 8:
+                raise ValueError(f"BlockSizes.{f.name} = {v!r}: must be an int ≥ 8, "
+                                 "a multiple of 8")
+
+    @classmethod
+    def get_default(cls, backend: str) -> BlockSizes:
+        """Defaults per backend: TPU 128/128 (MXU and lane width); GPU 128 queries × 64 keys
+        forward, 64 × 64 backward (fits Hopper shared memory at K = 128 in bf16);
+        XLA: unused."""
+        if backend == "gpu":
+            return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64)
+        return cls()
+
+
+def validate(q, k, causal, segment_ids, scale, block_sizes, backend) -> None:
+    """Check every argument of `tied_attention` before dispatch; raise `ValueError` (shapes,
+    dtypes, values) or `TypeError` (non-arrays) naming the argument and what is allowed."""
+    for name, x in (("q", q), ("k", k)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if x.ndim != 4:
+            layout = "[B,T,H,K]" if name == "q" else "[B,S,G,K]"
+            raise ValueError(f"{name} must have rank 4 {layout}, got shape {tuple(x.shape)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating dtype (float32, bfloat16, float16), "
+                             f"got {x.dtype}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} has an empty dimension: shape {tuple(x.shape)}")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
+    (B, T, H, K), (Bk, S, G, Kk) = q.shape, k.shape
+    if Bk != B:
+        raise ValueError(f"batch mismatch: q has B={B}, k has B={Bk}")
+    if Kk != K:
+        raise ValueError(f"head width mismatch: q has K={K}, k has K={Kk} (values are the keys, "
+                         "so both must have the same width)")
+    if H % G:
+        raise ValueError(f"query heads H={H} must be a multiple of key heads G={G} (GQA)")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if segment_ids is not None:
+        if not hasattr(segment_ids, "shape") or tuple(segment_ids.shape) != (B, T):
+            shape = getattr(segment_ids, "shape", type(segment_ids).__name__)
+            raise ValueError(f"segment_ids must have shape [B,T] = {(B, T)}, got {shape}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be an integer dtype, got {segment_ids.dtype}")
+        if S != T:
+            raise ValueError(f"segment_ids need self-attention (S == T), got T={T}, S={S}")
+    if scale is not None and not (isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+                                  and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS} or None")
+
+
+def resolve_backend(backend: str | None, interpret) -> tuple[str, object]:
+    """(backend, interpret) after defaults: backend None picks by platform ("tpu" on TPU,
+    "gpu" on a GPU; on CPU "xla", or the "gpu" kernel interpreted when `interpret` is set);
+    interpret None means True exactly when a Pallas backend is asked for on CPU."""
+    platform = jax.default_backend()
+    on_cpu = platform not in ("tpu", "gpu", "cuda", "rocm")
+    if backend is None:
+        if platform == "tpu":
+            backend = "tpu"
+        elif not on_cpu:
+            backend = "gpu"
+        else:
+            backend = "gpu" if interpret else "xla"
+    if interpret is None:
+        interpret = on_cpu and backend != "xla"
+    return backend, interpret
+
+
+def clip_block(block: int, n: int) -> int:
+    """The tile actually used along a length-n axis: at most the next power of two ≥ n (≥ 8),
+    so a short sequence runs as one tile."""
+    return min(block, max(8, 1 << (n - 1).bit_length()))
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def pad_axis(x: Array, axis: int, size: int, mode: str = "constant") -> Array:
+    """Pad axis `axis` of x at the end to `size` (zeros, or the edge value with mode="edge")."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, mode=mode)
+
+
+def block_mask(rows: Array, cols: Array, seg_q: Array | None, seg_k: Array | None, *,
+               causal: bool, kv_len: int | None) -> Array | None:
+    """Boolean [bq,bk] "may attend" mask from absolute row ids [bq,1], column ids [1,bk],
+    and segment ids [bq,1] / [1,bk] (None when absent); None when nothing is masked.
+    kv_len: the true key length when the keys were padded past it (else None)."""
+    mask = None
+
+    def both(a, b):
+        return b if a is None else jnp.logical_and(a, b)
+
+    if causal:
+        mask = both(mask, cols <= rows)
+    if kv_len is not None:
+        mask = both(mask, cols < kv_len)
+    if seg_q is not None:
+        mask = both(mask, seg_q == seg_k)
+    return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelParams:
+    """Static settings shared by the forward and backward kernels (hashable: they are
+    `nondiff_argnums` of the custom VJP). Arrays reaching a kernel are already padded:
+    q [B,H,Tp,Kp], k [B,G,Sp,Kp] with Tp, Sp multiples of every query / key tile."""
+
+    causal: bool
+    scale: float
+    kv_len: int | None  # true S when keys were padded past it, else None
+    ratio: int  # R = H // G
+    block_q: int
+    block_k: int
+    block_q_bwd: int
+    block_k_bwd: int
+    interpret: object = False
+
+
+def dot_nt(a: Array, b: Array) -> Array:
+    """a [m,k] · b [n,k]ᵀ → fp32 [m,n] (contract the last axes, no explicit transpose)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                               precision=_precision(a))
+
+
+def dot_tn(a: Array, b: Array) -> Array:
+    """a [k,m]ᵀ · b [k,n] → fp32 [m,n]."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                               precision=_precision(a))
+
+
+def dot_nn(a: Array, b: Array) -> Array:
+    """a [m,k] · b [k,n] → fp32 [m,n]."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                               precision=_precision(a))
+
+
+def _precision(a: Array):
+    # fp32 inputs: full fp32 products (no TF32 / bf16 passes), so fp32 results match the
+    # reference to ~1e-6; low-precision inputs use the native MXU / tensor-core path.
+    return jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None

@@ -1,0 +1,242 @@
+"""GPU kernels (Pallas on Triton) of causal tied-key/value flash attention, forward and backward.
+
+FlashAttention-2 (Dao, arXiv 2307.08691) specialised to CEM's values-are-keys attention
+(DESIGN.md §1): one tensor k is read for both the scores and the weighted sum, and the backward
+folds the value gradient into dk. Heads-major layout, every array already padded by
+`cem_jax.kernels.tied_attention` (tiles divide the lengths; K padded to a power of two ≥ 16):
+
+    q, do, o [B,H,Tp,Kp]   k [B,G,Sp,Kp]   lse, delta fp32 [B,H,Tp]   segment ids int32 [B,Tp]
+
+Forward, grid (B, H, Tp/bq): one program keeps a query tile in registers and loops over key
+tiles up to the diagonal (causal tiles above it are never visited; only tiles that straddle
+it build the causal mask), with the online softmax; it writes o and lse = m + log l.
+Backward: a dq kernel, grid (B, H, Tp/bq), loops over key tiles up to the diagonal; a dk
+kernel, grid (B, G, Sp/bk), loops over the R query heads of its group and the query tiles from
+the diagonal on. With p = exp(β q kᵀ - lse), δ = rowsum(do ⊙ o) - ḡ
+(ḡ: the cotangent of lse), ds = p ⊙ (do kᵀ - δ):
+
+    dq = β ds k,    dk = β dsᵀ q + pᵀ do    (the second term is the value gradient, folded)
+
+Verified in this repository only in interpret mode on CPU (`interpret=True`); the compiled
+Triton path has not been run here (no GPU in the development session).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from cem_jax.kernels.common import (
+    MASK_VALUE,
+    KernelParams,
+    block_mask,
+    dot_nn,
+    dot_nt,
+    dot_tn,
+)
+
+Array = jax.Array
+
+
+def _compiler_params(width: int, bq: int, bk: int):
+    warps = 4 if width <= 64 or bq * bk < 128 * 64 else 8
+    return plgpu.CompilerParams(num_warps=warps, num_stages=2)
+
+
+def _segments(refs, has_seg):
+    return (refs[0], refs[1], refs[2:]) if has_seg else (None, None, refs)
+
+
+def _fwd_kernel(q_ref, k_ref, *refs, p: KernelParams, has_seg: bool):
+    sq_ref, sk_ref, (o_ref, lse_ref) = _segments(refs, has_seg)
+    bq, bk = p.block_q, p.block_k
+    num_k = k_ref.shape[0] // bk
+    i = pl.program_id(2)
+    q = q_ref[...]
+    rows = i * bq + jnp.arange(bq)[:, None]
+    seg_q = sq_ref[...][:, None] if has_seg else None
+
+    def body(j, carry, causal):
+        acc, m, l = carry
+        start = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        s = dot_nt(q, k) * p.scale
+        cols = start + jnp.arange(bk)[None, :]
+        seg_k = sk_ref[pl.ds(start, bk)][None, :] if has_seg else None
+        mask = block_mask(rows, cols, seg_q, seg_k, causal=causal, kv_len=p.kv_len)
+        if mask is not None:
+            s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        e = jnp.exp(s - m_new[:, None])
+        if mask is not None:
+            e = jnp.where(mask, e, 0.0)
+        l = alpha * l + jnp.sum(e, axis=1)
+        acc = alpha[:, None] * acc + dot_nn(e.astype(k.dtype), k)
+        return acc, m_new, l
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32),
+            jnp.zeros((bq,), jnp.float32))
+    acc, m, l = _causal_loops(body, init, *_kv_range(i, bq, bk, num_k, p.causal))
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _kv_range(i, bq, bk, num_k, causal):
+    """Key tiles of query tile i: [0, full) lie wholly below the diagonal (no causal mask),
+    [full, hi) straddle it; tiles from hi on are above it and never visited (hi None: no
+    causal mask, all num_k tiles)."""
+    if not causal:
+        return num_k, None
+    hi = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), num_k)
+    full = jnp.minimum(lax.div(i * bq + 1, bk), hi)
+    return full, hi
+
+
+def _causal_loops(body, carry, full, hi):
+    carry = lax.fori_loop(0, full, functools.partial(body, causal=False), carry)
+    if hi is not None:
+        carry = lax.fori_loop(full, hi, functools.partial(body, causal=True), carry)
+    return carry
+
+
+def forward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, p: KernelParams
+            ) -> tuple[Array, Array]:
+    """o [B,H,Tp,Kp] (q.dtype), lse fp32 [B,H,Tp] for padded heads-major inputs."""
+    B, H, Tp, Kp = q.shape
+    Sp, R, bq = k.shape[2], p.ratio, p.block_q
+    has_seg = seg_q is not None
+    in_specs = [pl.BlockSpec((None, None, bq, Kp), lambda b, h, i: (b, h, i, 0)),
+                pl.BlockSpec((None, None, Sp, Kp), lambda b, h, i: (b, h // R, 0, 0))]
+    args = [q, k]
+    if has_seg:
+        in_specs += [pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
+                     pl.BlockSpec((None, Sp), lambda b, h, i: (b, 0))]
+        args += [seg_q, seg_k]
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, p=p, has_seg=has_seg),
+        grid=(B, H, Tp // bq),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, bq, Kp), lambda b, h, i: (b, h, i, 0)),
+                   pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
+        compiler_params=_compiler_params(Kp, bq, p.block_k),
+        interpret=p.interpret,
+        name="cem_tied_attention_fwd_gpu",
+    )(*args)
+
+
+def _dq_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams, has_seg: bool):
+    sq_ref, sk_ref, (dq_ref,) = _segments(refs, has_seg)
+    bq, bk = p.block_q_bwd, p.block_k_bwd
+    num_k = k_ref.shape[0] // bk
+    i = pl.program_id(2)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
+    rows = i * bq + jnp.arange(bq)[:, None]
+    seg_q = sq_ref[...][:, None] if has_seg else None
+
+    def body(j, dq, causal):
+        start = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        cols = start + jnp.arange(bk)[None, :]
+        seg_k = sk_ref[pl.ds(start, bk)][None, :] if has_seg else None
+        mask = block_mask(rows, cols, seg_q, seg_k, causal=causal, kv_len=p.kv_len)
+        pr = jnp.exp(dot_nt(q, k) * p.scale - lse)
+        if mask is not None:
+            pr = jnp.where(mask, pr, 0.0)
+        ds = pr * (dot_nt(do, k) - delta)
+        return dq + dot_nn(ds.astype(k.dtype), k)
+
+    dq = _causal_loops(body, jnp.zeros(q.shape, jnp.float32),
+                       *_kv_range(i, bq, bk, num_k, p.causal))
+    dq_ref[...] = (p.scale * dq).astype(dq_ref.dtype)
+
+
+def _dk_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams, has_seg: bool):
+    sq_ref, sk_ref, (dk_ref,) = _segments(refs, has_seg)
+    bq, bk = p.block_q_bwd, p.block_k_bwd
+    num_q = q_ref.shape[1] // bq
+    j = pl.program_id(2)
+    k = k_ref[...]
+    cols = j * bk + jnp.arange(bk)[None, :]
+    seg_k = sk_ref[...][None, :] if has_seg else None
+    if p.causal:  # query tiles [lo, full) straddle the diagonal, [full, num_q) see all of j
+        lo = lax.div(j * bk, bq)
+        full = jnp.minimum(lax.div((j + 1) * bk - 1 + bq - 1, bq), num_q)
+        ranges = [(lo, full, True), (full, num_q, False)]
+    else:
+        ranges = [(0, num_q, False)]
+    dk = jnp.zeros(k.shape, jnp.float32)
+    for r in range(p.ratio):  # the query heads h = g·R + r that read this key head
+
+        def body(i, dk, causal, r=r):
+            start = pl.multiple_of(i * bq, bq)
+            q = q_ref[r, pl.ds(start, bq), :]
+            do = do_ref[r, pl.ds(start, bq), :]
+            lse = lse_ref[r, pl.ds(start, bq)][:, None]
+            delta = delta_ref[r, pl.ds(start, bq)][:, None]
+            rows = start + jnp.arange(bq)[:, None]
+            seg_q = sq_ref[pl.ds(start, bq)][:, None] if has_seg else None
+            mask = block_mask(rows, cols, seg_q, seg_k, causal=causal, kv_len=p.kv_len)
+            pr = jnp.exp(dot_nt(q, k) * p.scale - lse)
+            if mask is not None:
+                pr = jnp.where(mask, pr, 0.0)
+            ds = pr * (dot_nt(do, k) - delta)
+            return dk + p.scale * dot_tn(ds.astype(q.dtype), q) + dot_tn(pr.astype(do.dtype), do)
+
+        for start, stop, causal in ranges:
+            dk = lax.fori_loop(start, stop, functools.partial(body, causal=causal), dk)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+
+
+def backward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, do: Array,
+             lse: Array, delta: Array, p: KernelParams) -> tuple[Array, Array]:
+    """(dq [B,H,Tp,Kp], dk [B,G,Sp,Kp]) from the padded inputs, do [B,H,Tp,Kp] and fp32
+    lse, delta [B,H,Tp] (delta = rowsum(do ⊙ o) minus the cotangent of lse)."""
+    B, H, Tp, Kp = q.shape
+    G, Sp = k.shape[1], k.shape[2]
+    R, bq, bk = p.ratio, p.block_q_bwd, p.block_k_bwd
+    has_seg = seg_q is not None
+    row = lambda b, h, i: (b, h, i, 0)  # noqa: E731
+    vec = lambda b, h, i: (b, h, i)  # noqa: E731
+    dq_specs = [pl.BlockSpec((None, None, bq, Kp), row),
+                pl.BlockSpec((None, None, Sp, Kp), lambda b, h, i: (b, h // R, 0, 0)),
+                pl.BlockSpec((None, None, bq, Kp), row),
+                pl.BlockSpec((None, None, bq), vec), pl.BlockSpec((None, None, bq), vec)]
+    group = lambda b, g, j: (b, g, 0, 0)  # noqa: E731
+    dk_specs = [pl.BlockSpec((None, R, Tp, Kp), group),
+                pl.BlockSpec((None, None, bk, Kp), lambda b, g, j: (b, g, j, 0)),
+                pl.BlockSpec((None, R, Tp, Kp), group),
+                pl.BlockSpec((None, R, Tp), lambda b, g, j: (b, g, 0)),
+                pl.BlockSpec((None, R, Tp), lambda b, g, j: (b, g, 0))]
+    args = [q, k, do, lse, delta]
+    if has_seg:
+        dq_specs += [pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
+                     pl.BlockSpec((None, Sp), lambda b, h, i: (b, 0))]
+        dk_specs += [pl.BlockSpec((None, Tp), lambda b, g, j: (b, 0)),
+                     pl.BlockSpec((None, bk), lambda b, g, j: (b, j))]
+        args += [seg_q, seg_k]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, p=p, has_seg=has_seg),
+        grid=(B, H, Tp // bq), in_specs=dq_specs,
+        out_specs=pl.BlockSpec((None, None, bq, Kp), row),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_compiler_params(Kp, bq, bk), interpret=p.interpret,
+        name="cem_tied_attention_dq_gpu",
+    )(*args)
+    dk = pl.pallas_call(
+        functools.partial(_dk_kernel, p=p, has_seg=has_seg),
+        grid=(B, G, Sp // bk), in_specs=dk_specs,
+        out_specs=pl.BlockSpec((None, None, bk, Kp), lambda b, g, j: (b, g, j, 0)),
+        out_shape=jax.ShapeDtypeStruct(k.shape, k.dtype),
+        compiler_params=_compiler_params(Kp, bq, bk), interpret=p.interpret,
+        name="cem_tied_attention_dk_gpu",
+    )(*args)
+    return dq, dk
