@@ -11,8 +11,10 @@ else
   STAMP := $(VENV)/.cem_jax-installed
 endif
 PYTEST_ARGS ?=
+TRAIN_CONFIG ?= configs/shakespeare_cem.yaml
+ARGS ?=
 
-.PHONY: install test test-all lint bench clean
+.PHONY: install train test test-all lint bench clean
 
 $(STAMP): pyproject.toml
 	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x $(VENV)/bin/python ]; then $(PY) -m venv $(VENV); fi
@@ -21,6 +23,11 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 install: $(STAMP)
+
+# Fetches the corpus on first use, trains, then prints validation perplexity, bits per byte and
+# a sample. Overrides: make train ARGS="run.steps=20 optimizer.lr=3e-3".
+train: install
+	$(PYTHON) -m cem_jax.train --config $(TRAIN_CONFIG) $(ARGS)
 
 test: install
 	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS)

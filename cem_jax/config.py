@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from cem_jax.updates import IMPLS
+
 T = TypeVar("T")
 
 ACTIVATIONS = ("silu", "gelu", "relu")
@@ -23,7 +25,6 @@ INTERACTIONS = ("lowrank", "dplr")
 DIAGONALS = ("per_head", "shared")
 PRECONDITIONERS = ("none", "scalar", "diag", "dplr")
 POSITIONS = ("rope", "none")
-IMPLS = ("autodiff", "xla", "pallas")
 GRADIENT_WRT = ("normalized", "residual")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full")
@@ -103,29 +104,29 @@ class ModelConfig:
         check_field_types(self)
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "steps",
                      "preconditioner_rank", "attention_block"):
-            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
+            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
                      getattr(self, name), "a positive integer")
         for name, allowed in (("activation", ACTIVATIONS), ("interaction", INTERACTIONS),
                               ("diagonal", DIAGONALS), ("preconditioner", PRECONDITIONERS),
                               ("position", POSITIONS), ("impl", IMPLS),
                               ("gradient_wrt", GRADIENT_WRT), ("dtype", DTYPES),
                               ("param_dtype", DTYPES), ("remat", REMAT)):
-            _require(getattr(self, name) in allowed, name, getattr(self, name),
+            require(getattr(self, name) in allowed, name, getattr(self, name),
                      "one of " + ", ".join(repr(a) for a in allowed))
         if self.head_dim is None:
-            _require(self.d_model % self.num_heads == 0, "d_model", self.d_model,
+            require(self.d_model % self.num_heads == 0, "d_model", self.d_model,
                      f"divisible by num_heads={self.num_heads} (or set head_dim explicitly)")
         else:
-            _require(isinstance(self.head_dim, int) and self.head_dim >= 1, "head_dim",
+            require(isinstance(self.head_dim, int) and self.head_dim >= 1, "head_dim",
                      self.head_dim, "a positive integer or null")
         if self.position == "rope":
-            _require(self.head_width % 2 == 0, "head_dim", self.head_width,
+            require(self.head_width % 2 == 0, "head_dim", self.head_width,
                      "even when position='rope' (RoPE rotates pairs of features)")
         g = self.kv_heads
-        _require(isinstance(g, int) and g >= 1 and self.num_heads % g == 0, "num_kv_heads", g,
+        require(isinstance(g, int) and g >= 1 and self.num_heads % g == 0, "num_kv_heads", g,
                  f"a positive divisor of num_heads={self.num_heads} (GQA)")
         for name in ("rope_theta", "norm_eps", "init_std"):
-            _require(float(getattr(self, name)) > 0, name, getattr(self, name), "> 0")
+            require(float(getattr(self, name)) > 0, name, getattr(self, name), "> 0")
 
 
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
@@ -140,10 +141,10 @@ def check_field_types(obj: Any) -> None:
             continue
         allowed = tuple(t for k in kinds for t in _TYPES.get(k, (object,)))
         ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
-        _require(ok, f.name, value, f"of type {f.type}")
+        require(ok, f.name, value, f"of type {f.type}")
 
 
-def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
+def require(ok: bool, field: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ValueError(f"config field {field!r} = {value!r} is invalid: it must be {allowed}")
 

@@ -51,23 +51,23 @@ class DataConfig:
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first field that is out of range."""
-        _require(isinstance(self.corpus, str) and self.corpus.strip() != "", "corpus",
+        require(isinstance(self.corpus, str) and self.corpus.strip() != "", "corpus",
                  self.corpus, "a non-empty string")
         for name in ("val_corpus", "tokenizer", "cache_dir", "shakespeare_archive"):
             value = getattr(self, name)
-            _require(value is None or (isinstance(value, str) and value.strip() != ""), name,
+            require(value is None or (isinstance(value, str) and value.strip() != ""), name,
                      value, "null or a non-empty string")
-        _require(_is_int(self.vocab_size) and self.vocab_size >= MIN_VOCAB_SIZE, "vocab_size",
+        require(_is_int(self.vocab_size) and self.vocab_size >= MIN_VOCAB_SIZE, "vocab_size",
                  self.vocab_size, f"an integer >= {MIN_VOCAB_SIZE}")
         for name in ("seq_len", "batch_size"):
-            _require(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
+            require(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
                      getattr(self, name), "a positive integer")
         for name in ("num_threads", "prefetch"):
-            _require(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name,
+            require(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name,
                      getattr(self, name), "a non-negative integer")
-        _require(_is_int(self.seed) and 0 <= self.seed < 2**32, "seed", self.seed,
+        require(_is_int(self.seed) and 0 <= self.seed < 2**32, "seed", self.seed,
                  "an integer in [0, 2**32)")
-        _require(isinstance(self.allow_invalid_utf8, bool), "allow_invalid_utf8",
+        require(isinstance(self.allow_invalid_utf8, bool), "allow_invalid_utf8",
                  self.allow_invalid_utf8, "true or false")
 
 
@@ -75,7 +75,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
+def require(ok: bool, field: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ValueError(f"data config field {field!r} = {value!r} is invalid: it must be "
                          f"{allowed}")

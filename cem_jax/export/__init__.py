@@ -1,0 +1,17 @@
+"""Carry a trained model to other tools (DESIGN.md §4), and bring Llama weights in.
+
+    safetensors  every parameter under a stable name (`names`), config.json, tokenizer.model;
+                 `load_safetensors` gives back the same model (`cem_jax.export.safetensors_io`)
+    hf-llama     a `transformers.LlamaForCausalLM` directory, baseline models only (`hf_llama`)
+    hf           any CEM variant as a Hugging Face directory with its own PyTorch modeling code
+                 (`hf`, `hf_template/`), loaded with `trust_remote_code=True`
+    import       a Hugging Face Llama directory → a baseline run directory (`importer`)
+
+Every writer builds its output in a temporary directory beside `--out` and renames it into place
+at the end (`output.staged_dir`): a failure leaves nothing half-written, and an existing non-empty
+`--out` is only replaced with `overwrite=True`. No pickle: tensors go through safetensors.
+"""
+
+from cem_jax.export.output import ExportError
+
+__all__ = ["ExportError"]

@@ -1,0 +1,60 @@
+"""The `hf` export: any CEM variant as a Hugging Face directory with its own PyTorch modeling
+code, the ecosystem's way of shipping a new architecture:
+
+    config.json              model_type "cem", auto_map → the two files below, the model fields
+    configuration_cem.py     `CEMConfig` (hf_template/, package data)
+    modeling_cem.py          `CEMForCausalLM`: an independent PyTorch implementation of
+                             DESIGN.md §1 (full score matrices, no cache)
+    model.safetensors        the tensors under the names of the safetensors export
+    generation_config.json   special ids, use_cache false
+    tokenizer.model, tokenizer_config.json
+
+Load it with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` (only for
+directories you trust: it runs the shipped Python).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+
+from cem_jax.config import ModelConfig
+from cem_jax.export.hf_tokenizer import write_tokenizer
+from cem_jax.export.output import ExportError, file_in, staged_dir
+from cem_jax.export.safetensors_io import write_weights
+
+TEMPLATE_FILES = ("configuration_cem.py", "modeling_cem.py")
+# ModelConfig fields that choose an implementation or a layout, not the function computed.
+IMPLEMENTATION_FIELDS = ("impl", "attention_block", "dtype", "param_dtype", "scan_layers",
+                         "remat")
+
+
+def hf_config(cfg: ModelConfig, ids: dict) -> dict:
+    """config.json of the `hf` export."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in IMPLEMENTATION_FIELDS}
+    fields["num_kv_heads"], fields["head_dim"] = cfg.kv_heads, cfg.head_width
+    return {"architectures": ["CEMForCausalLM"], "model_type": "cem",
+            "auto_map": {"AutoConfig": "configuration_cem.CEMConfig",
+                         "AutoModelForCausalLM": "modeling_cem.CEMForCausalLM"},
+            "dtype": cfg.param_dtype, "use_cache": False, **fields, **ids}
+
+
+def export_hf(params: dict, cfg: ModelConfig, tokenizer_model: bytes, out: str | Path,
+              overwrite: bool = False) -> Path:
+    """Write the `hf` export of a model to directory `out`, atomically. Raises ExportError for
+    a model the shipped modeling code cannot run (bfloat16 parameters are exported as they
+    are; the code computes in the parameters' dtype); FileExistsError for a non-empty `out`."""
+    if cfg.activation not in ("silu", "gelu", "relu"):
+        raise ExportError(f"activation {cfg.activation!r} has no PyTorch counterpart here")
+    template = resources.files("cem_jax.export") / "hf_template"
+    with staged_dir(out, overwrite) as stage:
+        ids = write_tokenizer(stage, tokenizer_model)
+        file_in(stage, "config.json").write_text(json.dumps(hf_config(cfg, ids), indent=2))
+        file_in(stage, "generation_config.json").write_text(json.dumps(
+            {**{k: v for k, v in ids.items() if v is not None}, "use_cache": False}, indent=2))
+        for name in TEMPLATE_FILES:
+            file_in(stage, name).write_text((template / name).read_text())
+        write_weights(stage, params, cfg, {"format": "pt"})
+    return Path(out)

@@ -1,0 +1,81 @@
+"""`cem-import`: a Hugging Face Llama directory → a baseline run directory, so that training (or
+sampling, evaluation, export) can start from existing weights.
+
+The run directory is what `cem-train` writes: config.yaml (the model section from the Llama's
+config.json; data/optimizer/run sections from `--config` and overrides, with data.tokenizer set to
+the run's own tokenizer.model), tokenizer.model (the Llama's sentencepiece model), and checkpoint
+0 (parameters, a fresh optimizer state, step 0, the data iterator at its start). `cem-train` on
+that directory resumes from step 0, i.e. fine-tunes the imported weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import safetensors.numpy
+
+from cem_jax.config import apply_overrides, load_yaml
+from cem_jax.data import load_tokenizer
+from cem_jax.export.hf_llama import from_llama
+from cem_jax.export.output import ExportError, staged_dir
+from cem_jax.export.safetensors_io import unflat_params
+from cem_jax.rundir import write_run
+from cem_jax.train.config import config_from_dict
+
+
+def read_llama_dir(directory: str | Path) -> tuple[dict, dict]:
+    """(config.json dict, {name: numpy array}) of a Hugging Face Llama directory (one
+    model.safetensors or a sharded one with model.safetensors.index.json; never pickle).
+    Raises ExportError when it is not a Llama or has no safetensors weights."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise ExportError(f"{directory} has no config.json: not a Hugging Face model directory")
+    config = json.loads((directory / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        raise ExportError(f"{directory} holds model_type {config.get('model_type')!r}; only "
+                          f"'llama' can be imported as a baseline")
+    index = directory / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
+             if index.is_file() else ["model.safetensors"])
+    tensors: dict = {}
+    for name in files:
+        path = directory / name
+        if not path.is_file() or path.resolve().parent != directory.resolve():
+            raise ExportError(f"{directory} lacks safetensors weights {name!r} (pickled "
+                              f"pytorch_model.bin files are not read)")
+        tensors |= safetensors.numpy.load_file(str(path))
+    return config, tensors
+
+
+def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | None = None,
+                 overrides: list[str] = (), overwrite: bool = False) -> Path:
+    """Write a baseline run directory `out` from the Llama in `hf_dir` (atomically).
+
+    Raises ExportError (not an importable Llama), FileNotFoundError (no tokenizer.model: the
+    run needs the sentencepiece model), ValueError (an invalid config), FileExistsError.
+    """
+    hf_dir = Path(hf_dir)
+    llama_cfg, tensors = read_llama_dir(hf_dir)
+    model_cfg, flat = from_llama(llama_cfg, tensors)
+    tokenizer = load_tokenizer(hf_dir / "tokenizer.model", model_cfg.vocab_size)
+    values = load_yaml(config_path) if config_path is not None else {}
+    values = apply_overrides(values, list(overrides))
+    with staged_dir(out, overwrite) as stage:
+        final = Path(out).absolute()
+        values["model"] = {**(values.get("model") or {}), **_model_fields(model_cfg)}
+        values["data"] = {**(values.get("data") or {}), "vocab_size": model_cfg.vocab_size,
+                          "tokenizer": str(final / "tokenizer.model")}
+        values["run"] = {**(values.get("run") or {}), "dir": str(final)}
+        cfg = config_from_dict(values)
+        params = unflat_params({k: v.astype(cfg.model.param_dtype) for k, v in flat.items()},
+                               cfg.model)
+        write_run(stage, cfg, params, tokenizer)
+    return Path(out)
+
+
+def _model_fields(cfg) -> dict:
+    names = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+             "mlp_dim", "activation", "tie_attention", "tie_mlp", "preconditioner", "steps",
+             "position", "rope_theta", "norm_eps", "tie_embeddings")
+    return {n: getattr(cfg, n) for n in names}

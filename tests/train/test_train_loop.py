@@ -1,0 +1,122 @@
+"""The loop in-process: NaN stop keeps the last good checkpoint, gradient accumulation equals the
+big batch, the optimizer's decay mask, config errors and the FLOP formula."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from cem_jax.config import ModelConfig
+from cem_jax.data import load_tokenizer, make_train_iterator
+from cem_jax.train import load_config, main, train
+from cem_jax.train.checkpoint import Checkpointer
+from cem_jax.train.config import MeshConfig, OptimizerConfig
+from cem_jax.train.metrics import flops_per_token
+from cem_jax.train.optim import decay_mask
+from cem_jax.train.sharding import global_batch, make_mesh
+from cem_jax.train.step import Trainer
+
+
+def test_nan_stops_the_run_and_keeps_the_good_checkpoint(tiny_overrides, tmp_path, capsys):
+    status = main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=12",
+                   "run.checkpoint_every=3", "run.debug_nan_step=8"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "non-finite training metrics at step 8" in err and "step 6" in err
+    checkpointer = Checkpointer(tmp_path, keep=3)
+    assert checkpointer.latest_step() == 6
+    cfg = load_config(None, [*tiny_overrides, f"run.dir={tmp_path}"])
+    trainer = Trainer(cfg.model, cfg.optimizer, 12, make_mesh(cfg.mesh))
+    iterator = make_train_iterator(cfg.data, load_tokenizer(tmp_path / "tokenizer.model"))
+    state, meta = checkpointer.restore(6, trainer.abstract_state(), iterator)
+    checkpointer.close()
+    assert int(state["step"]) == 6 and meta["config"]["run"]["debug_nan_step"] == 8
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
+    assert iterator.get_state()["next_index"] == 6  # batches taken
+
+
+def _batch(rng, B, T, V):
+    tokens = rng.integers(4, V, (B, T + 1)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "segment_ids": np.ones((B, T), np.int32),
+            "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1))}
+
+
+def test_accumulation_of_4_micro_batches_equals_the_big_batch():
+    model = ModelConfig(vocab_size=320, d_model=32, num_layers=2, num_heads=2, mlp_dim=64,
+                        interaction="dplr", preconditioner="diag", steps=2)
+    mesh = make_mesh(MeshConfig())
+    batch = global_batch(_batch(np.random.default_rng(0), 16, 12, 320), mesh)
+    results = []
+    for accumulation in (1, 4):
+        opt = OptimizerConfig(lr=1e-2, warmup_steps=0, accumulation_steps=accumulation)
+        trainer = Trainer(model, opt, 10, mesh)
+        state = trainer.init(0)
+        for _ in range(2):
+            state, metrics = trainer.train_step(state, batch)
+        results.append((jax.device_get(metrics), jax.device_get(state["params"])))
+    (m1, p1), (m4, p4) = results
+    assert abs(m1["loss"] - m4["loss"]) <= 1e-5 * abs(m1["loss"])
+    assert abs(m1["grad_norm"] - m4["grad_norm"]) <= 1e-5 * m1["grad_norm"]
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+
+
+def test_no_weight_decay_on_norms_diagonals_and_preconditioners():
+    params = {"embed": 0, "final_norm": {"scale": 0},
+              "blocks": {"attention": {"mixer": {"query": 0, "diag": 0}, "norm": {"scale": 0},
+                                       "precond": {"rho": 0, "U": 0}},
+                         "mlp": {"mixer": {"gate": 0, "up": 0, "down": 0}}}}
+    mask = decay_mask(params)
+    decayed = sorted("/".join(str(k.key) for k in path)
+                     for path, on in jax.tree_util.tree_leaves_with_path(mask) if on)
+    assert decayed == ["blocks/attention/mixer/query", "blocks/mlp/mixer/down",
+                       "blocks/mlp/mixer/gate", "blocks/mlp/mixer/up", "embed"]
+
+
+@pytest.mark.parametrize("override,field", [
+    ("optimizer.lr=0", "'lr'"), ("mesh.tensor=0", "'tensor'"), ("run.steps=0", "'steps'"),
+    ("run.stepz=3", "'stepz'"), ("model.vocab_size=512", "vocab_size"),
+    ("optimizer.accumulation_steps=5", "accumulation_steps"), ("runs.steps=1", "runs"),
+])
+def test_bad_config_is_named(override, field, capsys):
+    assert main(["--config", "configs/shakespeare_cem.yaml", override]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_flops_of_the_llama_twin_follow_palm_and_tying_saves_the_values():
+    """Untied, steps=1: 6·(matmul parameters) + 12·L·H·K·T per token (PaLM's MFU count)."""
+    llama = ModelConfig(tie_attention=False, tie_mlp=False, preconditioner="none")
+    D, L, H, K, F, V, T = 256, 4, 4, 64, 704, 2048, 256
+    matmul_params = L * (4 * D * H * K + 3 * D * F) + D * V
+    assert flops_per_token(llama, T) == 6 * matmul_params + 12 * L * H * K * T
+    assert flops_per_token(ModelConfig(), T) == flops_per_token(llama, T) - 3 * L * 2 * D * H * K
+    two_steps = ModelConfig(steps=2)  # the query side and the gate run twice
+    assert flops_per_token(two_steps, T) - flops_per_token(ModelConfig(), T) == \
+        3 * L * (4 * D * H * K + 4 * H * K * T + 4 * D * F)
+
+
+def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, capsys):
+    args = [*tiny_overrides, f"run.dir={tmp_path}", "run.steps=3", "run.sample_tokens=0"]
+    assert main(args) == 0
+    for path in (tmp_path / "checkpoints" / "3" / "state").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"garbage")
+    capsys.readouterr()
+    assert main([*args[:-2], "run.steps=5"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot restore checkpoint" in err and str(tmp_path / "checkpoints" / "3") in err
+
+
+def test_bfloat16_compute_with_remat_trains(tiny_overrides, tmp_path):
+    cfg = load_config(None, [*tiny_overrides, f"run.dir={tmp_path}", "run.steps=8",
+                             "model.dtype=bfloat16", "model.remat=full", "run.sample_tokens=0",
+                             "optimizer.accumulation_steps=2"])
+    summary = train(cfg)
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").open())
+              if r["kind"] == "train"]
+    assert summary["step"] == 8 and len(losses) == 8
+    assert losses[-1] < losses[0] - 0.3  # it learns in bf16 too
+    assert math.isfinite(summary["eval"]["bits_per_byte"])

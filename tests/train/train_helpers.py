@@ -1,0 +1,26 @@
+"""Helpers of the training tests: run `cem-train` in a subprocess, read a run's losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m cem_jax.train ARGS` in a subprocess (output captured as text)."""
+    return subprocess.run([sys.executable, "-m", "cem_jax.train", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """{step: loss} of a run's metrics.jsonl ("train" records; a step logged twice, before
+    and after a resume, keeps its last value)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
