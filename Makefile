@@ -39,7 +39,7 @@ lint: install
 	$(PYTHON) -m ruff check cem_jax tests benchmarks
 
 bench: install
-	$(PYTHON) benchmarks/layers.py
+	for b in layers train_step data decode attention; do $(PYTHON) benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

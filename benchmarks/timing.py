@@ -20,10 +20,3 @@ def median_times(fns: dict[str, Callable[[], object]], repeats: int = 7) -> dict
             times[name].append(time.perf_counter() - start)
     return {name: float(np.median(t)) for name, t in times.items()}
 
-
-def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """Measured fp32 FLOP/s of one jitted n×n matmul (the CPU's practical peak)."""
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n))
-    f = jax.jit(lambda x: x @ x)
-    seconds = median_times({"matmul": lambda: f(a)}, repeats)["matmul"]
-    return 2 * n**3 / seconds

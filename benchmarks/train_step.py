@@ -12,10 +12,10 @@ import argparse
 
 import jax
 import numpy as np
-from timing import matmul_peak_flops, median_times
+from timing import median_times
 
 from cem_jax.train.config import load_config
-from cem_jax.train.metrics import flops_per_token
+from cem_jax.train.metrics import flops_per_token, measure_matmul_peak
 from cem_jax.train.sharding import global_batch, make_mesh
 from cem_jax.train.step import Trainer
 
@@ -52,7 +52,7 @@ def main():
              "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1))}
     times = median_times({name: step_fn(cfg, batch) for name, cfg in configs.items()},
                          args.repeats)
-    peak = matmul_peak_flops()
+    peak = measure_matmul_peak()
     m = configs["tied CEM"].model
     print(f"train step, B={B}, T={T}, D={m.d_model}, L={m.num_layers}, H={m.num_heads}, "
           f"F={m.mlp_dim}, V={V}, {jax.device_count()} {jax.devices()[0].platform} device(s); "

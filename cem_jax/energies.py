@@ -89,19 +89,29 @@ def get_activation(name: str) -> Activation:
 # ----------------------------------------------------------------------------------------------
 
 
-def rope(x: Array, positions: Array, theta: float = 10000.0) -> Array:
-    """Rotate heads-major features `x` [B,N,T,K] by RoPE at integer `positions` [B,T].
+def rope_tables(positions: Array, head_dim: int, theta: float = 10000.0) -> tuple[Array, Array]:
+    """cos and sin of the RoPE angles at integer `positions` [B,T]: fp32 [B,1,T,K/2] each
+    (frequency theta^(-2i/K) for feature pair i; compute once, rotate many heads with them)."""
+    half = head_dim // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None, :, None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
 
-    Half-split convention of Hugging Face Llama (`rotate_half`): feature i pairs with i + K/2,
-    frequency theta^(-2i/K). `rope(x, -positions)` applies the inverse rotation R_tᵀ.
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate heads-major `x` [B,N,T,K] by `rope_tables`; (cos, -sin) rotates back by R_tᵀ.
+
+    Half-split convention of Hugging Face Llama (`rotate_half`): feature i pairs with i + K/2.
     Computed in fp32, returned in x.dtype. (Su et al., RoFormer, arXiv 2104.09864.)
     """
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, None, :, None] * inv_freq  # [B,1,T,K/2]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rope(x: Array, positions: Array, theta: float = 10000.0) -> Array:
+    """RoPE of heads-major `x` [B,N,T,K] at `positions` [B,T]; `rope(x, -positions)` is the
+    inverse rotation R_tᵀ. (`apply_rope` with `rope_tables`.)"""
+    return apply_rope(x, *rope_tables(positions, x.shape[-1], theta))
 
 
 def attention_mask(segment_ids: Array | None, seq_len: int) -> Array:

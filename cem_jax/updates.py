@@ -23,11 +23,12 @@ import jax.numpy as jnp
 from cem_jax.energies import (
     Activation,
     AttentionSpec,
+    apply_rope,
     attention_energy,
     attention_mask,
     default_positions,
     mlp_energy,
-    rope,
+    rope_tables,
 )
 
 Array = jax.Array
@@ -77,8 +78,17 @@ def _merge_heads(o: Array, w: Array) -> Array:
     return o.transpose(0, 2, 1, 3).reshape(B, T, N * K) @ w.reshape(-1, N * K).T
 
 
-def _rotated(x: Array, positions: Array, spec: AttentionSpec) -> Array:
-    return rope(x, positions, spec.rope_theta) if spec.use_rope else x
+def _rope_tables(positions: Array, spec: AttentionSpec) -> tuple[Array, Array] | None:
+    """RoPE's cos/sin for this sub-layer, computed once (None without RoPE)."""
+    return rope_tables(positions, spec.head_dim, spec.rope_theta) if spec.use_rope else None
+
+
+def _rotated(x: Array, tables: tuple[Array, Array] | None, inverse: bool = False) -> Array:
+    """R_t x (or R_tᵀ x with `inverse`) for heads-major x [B,N,T,K]; x itself without RoPE."""
+    if tables is None:
+        return x
+    cos, sin = tables
+    return apply_rope(x, cos, -sin if inverse else sin)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -162,14 +172,15 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
     def prepare(c):
         B, T, _ = c.shape
         pos = default_positions(B, T) if positions is None else positions
-        k = _rotated(_split_heads(c, params["key"]), pos, spec)  # [B,G,S,K]
-        return c, pos, k, attention_mask(segment_ids, T)
+        tables = _rope_tables(pos, spec)
+        k = _rotated(_split_heads(c, params["key"]), tables)  # [B,G,S,K]
+        return c, tables, k, attention_mask(segment_ids, T)
 
     def direction(y, prepared):
-        c, pos, k, mask = prepared
+        c, tables, k, mask = prepared
         B, T, D = y.shape
         K = spec.head_dim
-        q = _rotated(_split_heads(y, params["query"]), pos, spec).reshape(B, G, -1, T, K)
+        q = _rotated(_split_heads(y, params["query"]), tables).reshape(B, G, -1, T, K)
         if diag is not None:  # the diagonal as a second head: query d_h ⊙ y, key/value c
             yd = y[:, None] * diag.reshape(-1, 1, D)  # [B,H or 1,T,D]
             yd = jnp.broadcast_to(yd, (B, spec.num_heads, T, D)).reshape(B, G, -1, T, D)
@@ -179,7 +190,7 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
             o = _pallas_attention(q.reshape(B, spec.num_heads, T, -1), k, segment_ids, spec)
         else:
             o = _causal_attention(q, k, k, mask, spec).reshape(B, spec.num_heads, T, -1)
-        u = _merge_heads(_rotated(o[..., :K], -pos, spec), params["query"])  # Wq R_tᵀ (p @ k)
+        u = _merge_heads(_rotated(o[..., :K], tables, inverse=True), params["query"])  # Wq R_tᵀ o
         if diag is not None and diag.ndim == 2:  # Σ_h d_h ⊙ (p_h @ c)
             u = u + jnp.einsum("bhtd,hd->btd", o[..., K:], diag)
         elif diag is not None:
@@ -213,13 +224,14 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
     def prepare(c):
         B, T, _ = c.shape
         pos = default_positions(B, T) if positions is None else positions
-        k = _rotated(_split_heads(c, params["key"]), pos, spec)
-        return pos, k, _split_heads(c, params["value"]), attention_mask(segment_ids, T)
+        tables = _rope_tables(pos, spec)
+        k = _rotated(_split_heads(c, params["key"]), tables)
+        return tables, k, _split_heads(c, params["value"]), attention_mask(segment_ids, T)
 
     def direction(y, prepared):
-        pos, k, v, mask = prepared
+        tables, k, v, mask = prepared
         B, T, _ = y.shape
-        q = _rotated(_split_heads(y, params["query"]), pos, spec)
+        q = _rotated(_split_heads(y, params["query"]), tables)
         o = _causal_attention(q.reshape(B, G, -1, T, spec.head_dim), k, v, mask, spec)
         return _merge_heads(o.reshape(B, spec.num_heads, T, -1), params["out"].transpose(2, 0, 1))
 
