@@ -1,8 +1,13 @@
-"""Helpers shared by the tests: tolerances and explicit reference matrices."""
+"""Helpers shared by the tests: tolerances, explicit reference matrices, random parameters."""
 
 import math
 
+import jax
 import numpy as np
+from flax import nnx
+
+from cem_jax.config import ModelConfig
+from cem_jax.model import CEMTransformer
 
 
 def assert_close_to_scale(got, want, tol=1e-5):
@@ -22,3 +27,22 @@ def rotation_matrix(pos, K, theta=10000.0):
         c, s = math.cos(ang), math.sin(ang)
         R[i, i], R[i, i + half], R[i + half, i], R[i + half, i + half] = c, -s, s, c
     return R
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    """Parameters of the model's shapes (numpy fp32): weights normal(0, 0.3), norm scales
+    1 + normal(0, 0.1), preconditioner ρ softplus⁻¹(1) + normal(0, 0.3), DPLR diagonals
+    normal(0, 0.3): far from the 0 / identity starts, with logits of order 1. (Made from the
+    abstract model: creating a model eagerly takes seconds.)"""
+    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
+        lambda: CEMTransformer(cfg, rngs=nnx.Rngs(0)))))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, a):
+        noise = rng.normal(size=a.shape).astype(np.float32)
+        name = path[-1].key
+        if name == "scale":
+            return 1 + 0.1 * noise
+        return (math.log(math.e - 1) if name == "rho" else 0.0) + 0.3 * noise
+
+    return jax.tree_util.tree_map_with_path(draw, abstract)

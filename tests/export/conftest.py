@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from export_helpers import random_params
+from helpers import random_params
 
 from cem_jax.data import train_tokenizer
 from cem_jax.rundir import write_run

@@ -7,7 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from export_helpers import random_params, torch_logits
+from export_helpers import torch_logits
+from helpers import random_params
 
 from cem_jax.config import ModelConfig
 from cem_jax.export.hf import export_hf

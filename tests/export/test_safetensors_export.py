@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-from export_helpers import random_params
+from helpers import random_params
 
 from cem_jax.config import ModelConfig
 from cem_jax.export.output import ExportError, file_in, staged_dir

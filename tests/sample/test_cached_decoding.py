@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from decode_helpers import BASELINE, random_params, tiny_config
+from decode_helpers import BASELINE, tiny_config
+from helpers import random_params
 
 from cem_jax.rundir import model_from_params
 from cem_jax.sample import SamplingConfig, cache_bytes, generate, init_cache
