@@ -243,33 +243,31 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
 # ----------------------------------------------------------------------------------------------
 
 
-def tied_mlp_mixer(params: dict, activation: Activation) -> Mixer:
-    """CEM MLP: u = -∇_y E_mlp(y | c) = Wgᵀ(σ(Wg y) ⊙ Wu c), gate tied to down by transpose."""
+def _gated_mixer(params: dict, activation: Activation, down: Array, energy) -> Mixer:
+    """u = Wdown(σ(Wg y) ⊙ Wu c) with `down` [F,D]; Wu c is computed once per sub-layer."""
 
     def prepare(c):
         return jnp.einsum("btd,df->btf", c, params["up"])
 
     def direction(y, up):
         gate = jnp.einsum("btd,df->btf", y, params["gate"])
-        return jnp.einsum("btf,df->btd", activation.fn(gate) * up, params["gate"])
-
-    def energy(y, c):
-        return mlp_energy(params, y, c, activation=activation)
+        return jnp.einsum("btf,fd->btd", activation.fn(gate) * up, down)
 
     return Mixer(prepare, direction, energy)
 
 
+def tied_mlp_mixer(params: dict, activation: Activation) -> Mixer:
+    """CEM MLP: u = -∇_y E_mlp(y | c) = Wgᵀ(σ(Wg y) ⊙ Wu c), gate tied to down by transpose."""
+
+    def energy(y, c):
+        return mlp_energy(params, y, c, activation=activation)
+
+    return _gated_mixer(params, activation, params["gate"].T, energy)
+
+
 def swiglu_mixer(params: dict, activation: Activation) -> Mixer:
     """Untied gated MLP (SwiGLU for SiLU): Wdown(σ(Wg y) ⊙ Wu c), Wdown [F,D]. No energy."""
-
-    def prepare(c):
-        return jnp.einsum("btd,df->btf", c, params["up"])
-
-    def direction(y, up):
-        gate = jnp.einsum("btd,df->btf", y, params["gate"])
-        return jnp.einsum("btf,fd->btd", activation.fn(gate) * up, params["down"])
-
-    return Mixer(prepare, direction, None)
+    return _gated_mixer(params, activation, params["down"], None)
 
 
 # ----------------------------------------------------------------------------------------------
