@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_checkpoint_logs()
     writers = {"safetensors": export_safetensors, "hf-llama": export_hf_llama, "hf": export_hf}
     try:
-        check_destination(args.out, args.overwrite)  # fail before the (slow) restore
+        check_destination(args.out, args.overwrite, args.run)  # before the (slow) restore
         run = load_run(args.run, args.step)
         out = writers[args.format](run.params, run.config.model, run.tokenizer.model_proto,
                                    args.out, args.overwrite)
@@ -62,9 +62,10 @@ def import_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     from cem_jax.export.importer import import_llama
-    from cem_jax.export.output import ExportError
+    from cem_jax.export.output import ExportError, check_destination
 
     try:
+        check_destination(args.out, args.overwrite, args.hf)
         out = import_llama(args.hf, args.out, args.config, args.overrides, args.overwrite)
     except (ExportError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"cem-import: error: {err}", file=sys.stderr)

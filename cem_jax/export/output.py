@@ -1,4 +1,6 @@
-"""Output directories that appear whole or not at all, and never outside their path."""
+"""Output directories that appear whole or not at all, never outside their path, never over
+their source, and that replace (with --overwrite) only what cem_jax itself wrote: every output
+directory carries the marker file `MARKER`."""
 
 from __future__ import annotations
 
@@ -8,22 +10,36 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+MARKER = ".cem_jax_output"
+
 
 class ExportError(ValueError):
     """A model or checkpoint cannot be written in the asked format (the message names why)."""
 
 
-def check_destination(out: str | Path, overwrite: bool) -> Path:
+def check_destination(out: str | Path, overwrite: bool, source: str | Path | None = None
+                      ) -> Path:
     """`out` as an absolute path, after checking it may be written.
 
-    Raises FileExistsError: `out` is a file, or a non-empty directory and not `overwrite`.
+    Raises FileExistsError: `out` is a file; or the directory `source` (what is being read),
+    inside it or above it; or a non-empty directory and not `overwrite`; or, with `overwrite`,
+    a non-empty directory that cem_jax did not write (it lacks `MARKER`).
     """
-    out = Path(out).absolute()
+    out = Path(out).resolve()
+    if source is not None:
+        src = Path(source).resolve()
+        if out == src or src in out.parents or out in src.parents:
+            raise FileExistsError(f"--out {out} overlaps the directory being read ({src}): "
+                                  f"choose an --out outside it")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty: choose another --out or pass "
-                              f"--overwrite to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty: choose another --out or "
+                                  f"pass --overwrite to replace it")
+        if not (out / MARKER).is_file():
+            raise FileExistsError(f"{out} is not empty and was not written by cem-export or "
+                                  f"cem-import: refusing to replace it; choose another --out")
     return out
 
 
@@ -39,6 +55,7 @@ def staged_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         yield stage
+        (stage / MARKER).write_text("written by cem_jax; `--overwrite` may replace this folder\n")
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

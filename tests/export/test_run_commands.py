@@ -75,6 +75,27 @@ def test_cem_export_every_format(make_run, tmp_path):
                           params["blocks"]["attention"]["precond"]["U"][1])
 
 
+def test_cem_export_never_writes_over_its_run_or_foreign_folders(make_run, tmp_path, capsys):
+    run_dir, _, _ = make_run()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out in (run_dir, run_dir / "checkpoints", run_dir / "exported", tmp_path):
+        args = ["--run", str(run_dir), "--format", "safetensors", "--out", str(out)]
+        assert cli.main([*args, "--overwrite"]) == 1
+        assert "overlaps the directory being read" in capsys.readouterr().err
+    foreign = tmp_path.parent / f"{tmp_path.name}_foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    args = ["--run", str(run_dir), "--format", "safetensors", "--out", str(foreign)]
+    assert cli.main([*args, "--overwrite"]) == 1
+    assert "was not written by cem-export" in capsys.readouterr().err
+    assert (foreign / "notes.txt").read_text() == "mine"
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    export = tmp_path.parent / f"{tmp_path.name}_export"
+    args = ["--run", str(run_dir), "--format", "safetensors", "--out", str(export)]
+    assert cli.main(args) == 0 and cli.main(args) == 1  # a second time needs --overwrite
+    assert cli.main([*args, "--overwrite"]) == 0 and (export / "model.safetensors").is_file()
+
+
 def test_cem_export_refuses_what_a_format_cannot_express(make_run, tmp_path, capsys):
     run_dir, _, _ = make_run(**CEM)
     assert cli.main(["--run", str(run_dir), "--format", "hf-llama", "--out",
