@@ -11,7 +11,7 @@ import safetensors.numpy
 from helpers import random_params
 
 from cem_jax.config import ModelConfig
-from cem_jax.export.output import ExportError, file_in, staged_dir
+from cem_jax.export.output import MARKER, ExportError, file_in, staged_dir
 from cem_jax.export.safetensors_io import export_safetensors, load_safetensors
 from cem_jax.rundir import model_from_params
 
@@ -23,7 +23,7 @@ CFG = ModelConfig(vocab_size=64, d_model=16, num_layers=2, num_heads=2, mlp_dim=
 def test_names_shapes_and_exact_reload(tmp_path):
     params = random_params(CFG)
     out = export_safetensors(params, CFG, b"spm-bytes", tmp_path / "out")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "config.json", "model.safetensors",
                                                       "tokenizer.model"]
     tensors = safetensors.numpy.load_file(str(out / "model.safetensors"))
     layer = {k.removeprefix("layers.1."): v.shape for k, v in tensors.items()
@@ -85,10 +85,16 @@ def test_output_directory_is_never_half_written_nor_silently_replaced(tmp_path):
         (stage / "config.json").write_text("{}")
         raise RuntimeError("boom")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no partial directory left
-    export_safetensors(params, CFG, b"x", out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
-                                                      "tokenizer.model"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with pytest.raises(FileExistsError, match="not written by cem-export"):
+        export_safetensors(params, CFG, b"x", out, overwrite=True)  # a folder we did not write
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    ours = export_safetensors(params, CFG, b"x", tmp_path / "ours")
+    (ours / "config.json").write_text("stale")
+    export_safetensors(params, CFG, b"x", ours, overwrite=True)
+    assert sorted(p.name for p in ours.iterdir()) == [MARKER, "config.json", "model.safetensors",
+                                                       "tokenizer.model"]
+    assert (ours / "config.json").read_text() != "stale"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours", "out"]
     for name in ("../escape", "sub/file", ".hidden"):
         with pytest.raises(ExportError, match="refusing"):
             file_in(out, name)
