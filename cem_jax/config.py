@@ -153,6 +153,9 @@ def from_dict(cls: type[T], values: dict[str, Any], *, section: str = "") -> T:
     """Build dataclass `cls` from a mapping; unknown keys raise `ValueError` with a suggestion."""
     fields = {f.name for f in dataclasses.fields(cls)}
     where = f" in section {section!r}" if section else ""
+    if not isinstance(values, dict):
+        raise ValueError(f"config section {section or cls.__name__!r} must be a mapping of "
+                         f"field: value, not {values!r}")
     for key in values:
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)

@@ -48,6 +48,9 @@ def test_yaml_errors_are_clear(tmp_path):
     bad.write_text("model:\n  d_modle: 64\n")
     with pytest.raises(ValueError, match="unknown config field 'd_modle'.*did you mean 'd_model'"):
         load_model_config(bad)
+    bad.write_text("model: 5\n")
+    with pytest.raises(ValueError, match="section 'model' must be a mapping"):
+        load_model_config(bad)
     with pytest.raises(ValueError, match="must look like section.key=value"):
         load_model_config(None, ["steps"])
     with pytest.raises(ValueError, match="'steps'"):

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -53,6 +54,9 @@ def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
 
 def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
     """Build (or load) the tokenizer and the token files of every split; print their sizes."""
+    if args.save_tokenizer and Path(args.save_tokenizer).exists():
+        raise ValueError(f"{args.save_tokenizer} exists (a run's tokenizer must match its "
+                         f"checkpoints): choose a new --save-tokenizer path")
     tokenizer = build_tokenizer(cfg)
     if args.save_tokenizer:
         print(f"tokenizer saved to {tokenizer.save(args.save_tokenizer)}")
@@ -121,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
             _add_option(sub, field)
         if command is tokenize:
             sub.add_argument("--save-tokenizer", metavar="PATH",
-                             help="also write the tokenizer model to PATH")
+                             help="also write the tokenizer model to PATH (a new file)")
         if command is inspect:
             sub.add_argument("--rows", type=int, default=2, help="rows to decode (default 2)")
     return parser

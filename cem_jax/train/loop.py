@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         train(cfg)
-    except (TrainingDiverged, CheckpointError, FetchError, FileNotFoundError,
+    except (TrainingDiverged, CheckpointError, FetchError, FileNotFoundError, FileExistsError,
             ValueError) as err:
         print(f"cem-train: error: {err}", file=sys.stderr)
         return 1
