@@ -16,6 +16,7 @@ from timing import median_times
 
 from cem_jax.config import ModelConfig
 from cem_jax.energies import AttentionSpec
+from cem_jax.model import CEMTransformer
 from cem_jax.updates import run_steps, tied_attention_mixer
 
 
@@ -44,8 +45,6 @@ def attention_sublayer(B=8, T=512, D=512, H=8):
 
 
 def model_step(B=8, T=256):
-    from cem_jax.model import CEMTransformer
-
     base = dict(vocab_size=2048, d_model=256, num_layers=4, num_heads=4, mlp_dim=704)
     configs = {"cem": ModelConfig(**base),
                "llama": ModelConfig(**base, tie_attention=False, tie_mlp=False,
