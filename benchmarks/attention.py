@@ -13,7 +13,7 @@
    (q, k, v) of the same shape, at B=4, T=4096, H=16, K=128, bf16, causal; and the kernel's
    forward TFLOP/s against the chip's bf16 peak (H200: 989 TFLOP/s dense).
 
-Run: `python benchmarks/attention.py [--memory-only] [--max-t 8192]`.
+Run: `python benchmarks/attention.py [--memory-only] [--max-t 8192] [--sweep]`.
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ import jax
 import jax.numpy as jnp
 from timing import median_times
 
-from cem_jax.kernels import tied_attention, tied_attention_reference
+from cem_jax.kernels import BlockSizes, tied_attention, tied_attention_reference
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
-def _loss(fn):
-    def loss(q, k):
-        return jnp.sum(fn(q, k).astype(jnp.float32) ** 2)
-    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+def _loss(fn, num_args=2):
+    """jit(grad) of Σ fn(...)² with respect to all `num_args` inputs."""
+    def loss(*args):
+        return jnp.sum(fn(*args).astype(jnp.float32) ** 2)
+    return jax.jit(jax.grad(loss, argnums=tuple(range(num_args))))
 
 
 def _peak_bytes(step, q, k) -> int | None:
@@ -74,41 +75,60 @@ def memory_curves(max_t: int, B=1, H=2, K=64):
           f"kernel {math.log(k1 / k0) / growth:.2f}, reference {math.log(r1 / r0) / growth:.2f}")
 
 
-def speed(B=4, T=4096, H=16, K=128):
+# BlockSizes tried by --sweep besides the GPU defaults (64×64 tiles, 4 warps, 2 stages):
+# (block_q, block_k, block_q_bwd, block_k_bwd, num_warps, num_stages).
+SWEEP = [(64, 64, 64, 64, 4, 3), (64, 64, 64, 64, 4, 4), (64, 64, 64, 64, 8, 2),
+         (128, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (128, 128, 64, 64, 8, 3),
+         (64, 128, 64, 64, 4, 2), (64, 64, 32, 32, 4, 2), (64, 64, 32, 64, 4, 3),
+         (64, 64, 128, 32, 8, 2)]
+
+
+def speed(B=4, T=4096, H=16, K=128, sweep=False):
     dev = jax.devices()[0]
     kind = getattr(dev, "device_kind", str(dev))
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(key, (B, T, H, K), jnp.bfloat16) for key in keys)
-    def dpa(q, k, impl, tied):
-        return jax.nn.dot_product_attention(q, k, k if tied else v, is_causal=True,
-                                            implementation=impl)
 
-    fns = {"tied kernel": lambda q, k: tied_attention(q, k)}
+    def dpa(q, k, v, impl):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+    # name -> (attention function, its inputs); gradients are taken for every input, so the
+    # untied contender also computes dv.
+    contenders = {"tied kernel": (tied_attention, (q, k))}
     for impl in ["xla", "cudnn"] if jax.default_backend() == "gpu" else ["xla"]:
-        fns[f"dpa {impl} (q,k,k)"] = functools.partial(dpa, impl=impl, tied=True)
-        fns[f"dpa {impl} untied (q,k,v)"] = functools.partial(dpa, impl=impl, tied=False)
+        contenders[f"dpa {impl} (q,k,k)"] = (lambda q, k, impl=impl: dpa(q, k, k, impl), (q, k))
+        contenders[f"dpa {impl} untied (q,k,v)"] = (functools.partial(dpa, impl=impl), (q, k, v))
+    if sweep:
+        for sizes in SWEEP:
+            name = "tied q{}k{} bwd q{}k{} w{}s{}".format(*sizes)
+            contenders[name] = (functools.partial(tied_attention, block_sizes=BlockSizes(*sizes)),
+                                (q, k))
     steps, forwards = {}, {}
-    for name, fn in fns.items():
+    for name, (fn, args) in contenders.items():
         try:
-            step, fwd = _loss(fn), jax.jit(fn)
-            jax.block_until_ready(step(q, k))
-            steps[name] = functools.partial(step, q, k)
-            forwards[name] = functools.partial(fwd, q, k)
+            step, fwd = _loss(fn, len(args)), jax.jit(fn)
+            jax.block_until_ready(step(*args))
+            steps[name] = functools.partial(step, *args)
+            forwards[name] = functools.partial(fwd, *args)
         except Exception as err:  # noqa: BLE001 - report and go on (e.g. cuDNN unavailable)
-            print(f"{name}: unavailable ({type(err).__name__}: {str(err)[:120]})")
-    t = median_times(steps, repeats=10)
-    tf = median_times(forwards, repeats=10)
+            print(f"{name}: unavailable ({type(err).__name__}: {str(err)[:300]})")
+    t = median_times(steps, repeats=10, number=10)
+    tf = median_times(forwards, repeats=10, number=10)
     flops_fwd = 2 * 2 * B * H * T * T * K / 2  # two matmuls, half the square (causal)
-    print(f"\nSpeed on {kind}, B={B} T={T} H={H} K={K} bf16 causal (median of 10):")
+    print(f"\nSpeed on {kind}, B={B} T={T} H={H} K={K} bf16 causal "
+          "(median of 10 samples of 10 back-to-back calls):")
     for name in steps:
-        print(f"  {name:<26} fwd+bwd {t[name] * 1e3:8.2f} ms   fwd {tf[name] * 1e3:7.2f} ms "
+        print(f"  {name:<32} fwd+bwd {t[name] * 1e3:8.3f} ms   fwd {tf[name] * 1e3:7.3f} ms "
               f"({flops_fwd / tf[name] / 1e12:6.1f} TFLOP/s)   "
               f"fwd+bwd ratio to tied {t[name] / t['tied kernel']:.2f}")
-    others = [n for n in steps if n != "tied kernel"]
+    others = [n for n in steps if not n.startswith("tied")]
     if "tied kernel" in steps and others:
         best = min(others, key=lambda n: t[n])
         print(f"tied kernel / best other ({best}) fwd+bwd time: "
               f"{t['tied kernel'] / t[best]:.2f} (target ≤ 1.00)")
+        best_fwd = min(others, key=lambda n: tf[n])
+        print(f"tied kernel / best other ({best_fwd}) fwd time: "
+              f"{tf['tied kernel'] / tf[best_fwd]:.2f}")
     peak = next((v for n, v in PEAK_BF16_TFLOPS.items() if n in kind), None)
     if peak and "tied kernel" in tf:
         frac = flops_fwd / tf["tied kernel"] / 1e12 / peak
@@ -119,6 +139,8 @@ def speed(B=4, T=4096, H=16, K=128):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory-only", action="store_true")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the kernel with other block sizes (GPU/TPU)")
     parser.add_argument("--max-t", type=int, default=None,
                         help="largest T of the memory curve (default 16384)")
     args = parser.parse_args()
@@ -128,7 +150,7 @@ def main():
     max_t = args.max_t or 16384
     memory_curves(max_t)
     if backend in ("gpu", "tpu") and not args.memory_only:
-        speed()
+        speed(sweep=args.sweep)
     elif not args.memory_only:
         print("\nSpeed comparison skipped: it needs a GPU or TPU (none here).")
 

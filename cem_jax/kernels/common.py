@@ -29,31 +29,45 @@ class BlockSizes:
 
     block_q, block_k: query / key tile of the forward pass.
     block_q_bwd, block_k_bwd: query / key tile of the two backward kernels (dq and dk).
+    num_warps, num_stages: Triton launch settings of the GPU kernels (None: 4 warps for a
+      tile of at most 64×64, else 8; 2 software-pipelining stages); unused on TPU.
     Blocks are clipped to the (padded) sequence length, so short sequences use one tile.
     Compiled TPU runs want multiples of 128 for the key tiles (lane width) and of 8 for the
-    query tiles; compiled GPU (Triton) runs want powers of two. Raises `ValueError` for a
-    non-positive size or one that is not a multiple of 8.
+    query tiles; compiled GPU (Triton) runs need powers of two ≥ 16 (checked at the call).
+    Raises `ValueError` for a block that is not a positive multiple of 8, or a non-positive
+    num_warps / num_stages.
     """
 
     block_q: int = 128
     block_k: int = 128
     block_q_bwd: int = 128
     block_k_bwd: int = 128
+    num_warps: int | None = None
+    num_stages: int = 2
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
+        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+            v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 8 or v % 8:
-                raise ValueError(f"BlockSizes.{f.name} = {v!r}: must be an int ≥ 8, "
+                raise ValueError(f"BlockSizes.{name} = {v!r}: must be an int ≥ 8, "
                                  "a multiple of 8")
+        for name in ("num_warps", "num_stages"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"BlockSizes.{name} = {v!r}: must be a positive int")
+
+    @property
+    def blocks(self) -> tuple[int, int, int, int]:
+        """(block_q, block_k, block_q_bwd, block_k_bwd)."""
+        return self.block_q, self.block_k, self.block_q_bwd, self.block_k_bwd
 
     @classmethod
     def get_default(cls, backend: str) -> BlockSizes:
-        """Defaults per backend: TPU 128/128 (MXU and lane width); GPU 128 queries × 64 keys
-        forward, 64 × 64 backward (fits Hopper shared memory at K = 128 in bf16);
-        XLA: unused."""
+        """Defaults per backend: TPU 128/128 (MXU and lane width); GPU 64 × 64 tiles with 4
+        warps, forward and backward (the fastest of the sizes timed on an H200 at K = 128 in
+        bf16: benchmarks/results/attention_h200.txt); XLA: unused."""
         if backend == "gpu":
-            return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64)
+            return cls(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64)
         return cls()
 
 
@@ -118,10 +132,20 @@ def resolve_backend(backend: str | None, interpret) -> tuple[str, object]:
     return backend, interpret
 
 
-def clip_block(block: int, n: int) -> int:
-    """The tile actually used along a length-n axis: at most the next power of two ≥ n (≥ 8),
-    so a short sequence runs as one tile."""
-    return min(block, max(8, 1 << (n - 1).bit_length()))
+def clip_block(block: int, n: int, least: int) -> int:
+    """The tile actually used along a length-n axis: at most the next power of two ≥ n (and
+    ≥ `least`), so a short sequence runs as one tile."""
+    return min(block, max(least, 1 << (n - 1).bit_length()))
+
+
+def check_compiled_gpu_blocks(bs: BlockSizes) -> None:
+    """Compiled Triton tiles must be powers of two ≥ 16 (the tensor-core dot's smallest
+    shape); raise `ValueError` naming the field otherwise."""
+    for name, v in zip(("block_q", "block_k", "block_q_bwd", "block_k_bwd"), bs.blocks,
+                       strict=True):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"BlockSizes.{name} = {v}: the compiled GPU kernel needs powers "
+                             "of two ≥ 16 (e.g. 16, 32, 64, 128)")
 
 
 def round_up(n: int, m: int) -> int:
@@ -170,6 +194,8 @@ class KernelParams:
     block_k: int
     block_q_bwd: int
     block_k_bwd: int
+    num_warps: int | None = None
+    num_stages: int = 2
     interpret: object = False
 
 

@@ -2,23 +2,26 @@
 
 FlashAttention-2 (Dao, arXiv 2307.08691) specialised to CEM's values-are-keys attention
 (DESIGN.md §1): one tensor k is read for both the scores and the weighted sum, and the backward
-folds the value gradient into dk. Heads-major layout, every array already padded by
+folds the value gradient into dk. The kernels read the op's own sequence-major layout (no
+transposes: a tile is bq rows of one head, strided by H·Kp), every array already padded by
 `cem_jax.kernels.tied_attention` (tiles divide the lengths; K padded to a power of two ≥ 16):
 
-    q, do, o [B,H,Tp,Kp]   k [B,G,Sp,Kp]   lse, delta fp32 [B,H,Tp]   segment ids int32 [B,Tp]
+    q, do, o [B,Tp,H,Kp]   k [B,Sp,G,Kp]   lse, delta fp32 [B,H,Tp]   segment ids int32 [B,Tp]
 
-Forward, grid (B, H, Tp/bq): one program keeps a query tile in registers and loops over key
+Forward, grid (Tp/bq, B, H): one program keeps a query tile in registers and loops over key
 tiles up to the diagonal (causal tiles above it are never visited; only tiles that straddle
 it build the causal mask), with the online softmax; it writes o and lse = m + log l.
-Backward: a dq kernel, grid (B, H, Tp/bq), loops over key tiles up to the diagonal; a dk
-kernel, grid (B, G, Sp/bk), loops over the R query heads of its group and the query tiles from
+Backward: a dq kernel, grid (Tp/bq, B, H), loops over key tiles up to the diagonal; a dk
+kernel, grid (Sp/bk, B, G), loops over the R query heads of its group and the query tiles from
 the diagonal on. With p = exp(β q kᵀ - lse), δ = rowsum(do ⊙ o) - ḡ
 (ḡ: the cotangent of lse), ds = p ⊙ (do kᵀ - δ):
 
     dq = β ds k,    dk = β dsᵀ q + pᵀ do    (the second term is the value gradient, folded)
 
-Verified in this repository only in interpret mode on CPU (`interpret=True`); the compiled
-Triton path has not been run here (no GPU in the development session).
+Verified compiled on an H200 (jax 0.11.2: the tests in benchmarks/results/kernel_tests_h200.txt)
+and in interpret mode on CPU (`interpret=True`, how CI runs it). Speed at B=4, T=4096, H=16,
+K=128, bf16: benchmarks/results/attention_h200.txt. JAX has deprecated Pallas' Triton backend in
+favour of Mosaic GPU; this kernel still compiles and runs on jax 0.11.2.
 """
 
 from __future__ import annotations
@@ -43,9 +46,20 @@ from cem_jax.kernels.common import (
 Array = jax.Array
 
 
-def _compiler_params(width: int, bq: int, bk: int):
-    warps = 4 if width <= 64 or bq * bk < 128 * 64 else 8
-    return plgpu.CompilerParams(num_warps=warps, num_stages=2)
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x·log2 e): the GPU's native exponential
+LN2 = 0.6931471805599453
+
+
+def _compiler_params(p: KernelParams, width: int, bq: int, bk: int):
+    warps = p.num_warps or (4 if width <= 64 or bq * bk < 128 * 64 else 8)
+    return plgpu.CompilerParams(num_warps=warps, num_stages=p.num_stages)
+
+
+def _last_first(n, count: int):
+    """Query tile of grid step n. The grids put the tile axis first (consecutive programs
+    share one head's keys in L2) and run the query tiles last-first, so that the longest
+    causal rows start first."""
+    return count - 1 - n
 
 
 def _segments(refs, has_seg):
@@ -56,24 +70,24 @@ def _fwd_kernel(q_ref, k_ref, *refs, p: KernelParams, has_seg: bool):
     sq_ref, sk_ref, (o_ref, lse_ref) = _segments(refs, has_seg)
     bq, bk = p.block_q, p.block_k
     num_k = k_ref.shape[0] // bk
-    i = pl.program_id(2)
+    i = _last_first(pl.program_id(0), pl.num_programs(0))
     q = q_ref[...]
     rows = i * bq + jnp.arange(bq)[:, None]
     seg_q = sq_ref[...][:, None] if has_seg else None
 
-    def body(j, carry, causal):
+    def body(j, carry, causal):  # m and s in base-2 units (s = β q·k · log2 e)
         acc, m, l = carry
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
-        s = dot_nt(q, k) * p.scale
+        s = dot_nt(q, k) * (p.scale * LOG2E)
         cols = start + jnp.arange(bk)[None, :]
         seg_k = sk_ref[pl.ds(start, bk)][None, :] if has_seg else None
         mask = block_mask(rows, cols, seg_q, seg_k, causal=causal, kv_len=p.kv_len)
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        e = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp2(m - m_new)
+        e = jnp.exp2(s - m_new[:, None])
         if mask is not None:
             e = jnp.where(mask, e, 0.0)
         l = alpha * l + jnp.sum(e, axis=1)
@@ -84,7 +98,7 @@ def _fwd_kernel(q_ref, k_ref, *refs, p: KernelParams, has_seg: bool):
             jnp.zeros((bq,), jnp.float32))
     acc, m, l = _causal_loops(body, init, *_kv_range(i, bq, bk, num_k, p.causal))
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(l)
+    lse_ref[...] = m * LN2 + jnp.log(l)
 
 
 def _kv_range(i, bq, bk, num_k, causal):
@@ -107,26 +121,30 @@ def _causal_loops(body, carry, full, hi):
 
 def forward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, p: KernelParams
             ) -> tuple[Array, Array]:
-    """o [B,H,Tp,Kp] (q.dtype), lse fp32 [B,H,Tp] for padded heads-major inputs."""
-    B, H, Tp, Kp = q.shape
-    Sp, R, bq = k.shape[2], p.ratio, p.block_q
+    """o [B,Tp,H,Kp] (q.dtype), lse fp32 [B,H,Tp] for padded inputs q [B,Tp,H,Kp],
+    k [B,Sp,G,Kp]."""
+    B, Tp, H, Kp = q.shape
+    Sp, R, bq = k.shape[1], p.ratio, p.block_q
+    num_q = Tp // bq
     has_seg = seg_q is not None
-    in_specs = [pl.BlockSpec((None, None, bq, Kp), lambda b, h, i: (b, h, i, 0)),
-                pl.BlockSpec((None, None, Sp, Kp), lambda b, h, i: (b, h // R, 0, 0))]
+    row = lambda n, b, h: (b, _last_first(n, num_q), h, 0)  # noqa: E731
+    in_specs = [pl.BlockSpec((None, bq, None, Kp), row),
+                pl.BlockSpec((None, Sp, None, Kp), lambda n, b, h: (b, 0, h // R, 0))]
     args = [q, k]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
-                     pl.BlockSpec((None, Sp), lambda b, h, i: (b, 0))]
+        in_specs += [pl.BlockSpec((None, bq), lambda n, b, h: (b, _last_first(n, num_q))),
+                     pl.BlockSpec((None, Sp), lambda n, b, h: (b, 0))]
         args += [seg_q, seg_k]
     return pl.pallas_call(
         functools.partial(_fwd_kernel, p=p, has_seg=has_seg),
-        grid=(B, H, Tp // bq),
+        grid=(num_q, B, H),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, bq, Kp), lambda b, h, i: (b, h, i, 0)),
-                   pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))],
+        out_specs=[pl.BlockSpec((None, bq, None, Kp), row),
+                   pl.BlockSpec((None, None, bq),
+                                lambda n, b, h: (b, h, _last_first(n, num_q)))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
-        compiler_params=_compiler_params(Kp, bq, p.block_k),
+        compiler_params=_compiler_params(p, Kp, bq, p.block_k),
         interpret=p.interpret,
         name="cem_tied_attention_fwd_gpu",
     )(*args)
@@ -136,9 +154,9 @@ def _dq_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams,
     sq_ref, sk_ref, (dq_ref,) = _segments(refs, has_seg)
     bq, bk = p.block_q_bwd, p.block_k_bwd
     num_k = k_ref.shape[0] // bk
-    i = pl.program_id(2)
+    i = _last_first(pl.program_id(0), pl.num_programs(0))
     q, do = q_ref[...], do_ref[...]
-    lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
+    lse, delta = LOG2E * lse_ref[...][:, None], delta_ref[...][:, None]
     rows = i * bq + jnp.arange(bq)[:, None]
     seg_q = sq_ref[...][:, None] if has_seg else None
 
@@ -148,7 +166,7 @@ def _dq_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams,
         cols = start + jnp.arange(bk)[None, :]
         seg_k = sk_ref[pl.ds(start, bk)][None, :] if has_seg else None
         mask = block_mask(rows, cols, seg_q, seg_k, causal=causal, kv_len=p.kv_len)
-        pr = jnp.exp(dot_nt(q, k) * p.scale - lse)
+        pr = jnp.exp2(dot_nt(q, k) * (p.scale * LOG2E) - lse)
         if mask is not None:
             pr = jnp.where(mask, pr, 0.0)
         ds = pr * (dot_nt(do, k) - delta)
@@ -162,8 +180,8 @@ def _dq_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams,
 def _dk_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams, has_seg: bool):
     sq_ref, sk_ref, (dk_ref,) = _segments(refs, has_seg)
     bq, bk = p.block_q_bwd, p.block_k_bwd
-    num_q = q_ref.shape[1] // bq
-    j = pl.program_id(2)
+    num_q = q_ref.shape[0] // bq
+    j = pl.program_id(0)  # first-first: the first key tiles are read by the most queries
     k = k_ref[...]
     cols = j * bk + jnp.arange(bk)[None, :]
     seg_k = sk_ref[...][None, :] if has_seg else None
@@ -178,14 +196,14 @@ def _dk_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams,
 
         def body(i, dk, causal, r=r):
             start = pl.multiple_of(i * bq, bq)
-            q = q_ref[r, pl.ds(start, bq), :]
-            do = do_ref[r, pl.ds(start, bq), :]
-            lse = lse_ref[r, pl.ds(start, bq)][:, None]
+            q = q_ref[pl.ds(start, bq), r, :]
+            do = do_ref[pl.ds(start, bq), r, :]
+            lse = LOG2E * lse_ref[r, pl.ds(start, bq)][:, None]
             delta = delta_ref[r, pl.ds(start, bq)][:, None]
             rows = start + jnp.arange(bq)[:, None]
             seg_q = sq_ref[pl.ds(start, bq)][:, None] if has_seg else None
             mask = block_mask(rows, cols, seg_q, seg_k, causal=causal, kv_len=p.kv_len)
-            pr = jnp.exp(dot_nt(q, k) * p.scale - lse)
+            pr = jnp.exp2(dot_nt(q, k) * (p.scale * LOG2E) - lse)
             if mask is not None:
                 pr = jnp.where(mask, pr, 0.0)
             ds = pr * (dot_nt(do, k) - delta)
@@ -198,45 +216,47 @@ def _dk_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams,
 
 def backward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, do: Array,
              lse: Array, delta: Array, p: KernelParams) -> tuple[Array, Array]:
-    """(dq [B,H,Tp,Kp], dk [B,G,Sp,Kp]) from the padded inputs, do [B,H,Tp,Kp] and fp32
+    """(dq [B,Tp,H,Kp], dk [B,Sp,G,Kp]) from the padded inputs, do [B,Tp,H,Kp] and fp32
     lse, delta [B,H,Tp] (delta = rowsum(do ⊙ o) minus the cotangent of lse)."""
-    B, H, Tp, Kp = q.shape
-    G, Sp = k.shape[1], k.shape[2]
+    B, Tp, H, Kp = q.shape
+    Sp, G = k.shape[1], k.shape[2]
     R, bq, bk = p.ratio, p.block_q_bwd, p.block_k_bwd
+    num_q = Tp // bq
     has_seg = seg_q is not None
-    row = lambda b, h, i: (b, h, i, 0)  # noqa: E731
-    vec = lambda b, h, i: (b, h, i)  # noqa: E731
-    dq_specs = [pl.BlockSpec((None, None, bq, Kp), row),
-                pl.BlockSpec((None, None, Sp, Kp), lambda b, h, i: (b, h // R, 0, 0)),
-                pl.BlockSpec((None, None, bq, Kp), row),
+    row = lambda n, b, h: (b, _last_first(n, num_q), h, 0)  # noqa: E731
+    vec = lambda n, b, h: (b, h, _last_first(n, num_q))  # noqa: E731
+    dq_specs = [pl.BlockSpec((None, bq, None, Kp), row),
+                pl.BlockSpec((None, Sp, None, Kp), lambda n, b, h: (b, 0, h // R, 0)),
+                pl.BlockSpec((None, bq, None, Kp), row),
                 pl.BlockSpec((None, None, bq), vec), pl.BlockSpec((None, None, bq), vec)]
-    group = lambda b, g, j: (b, g, 0, 0)  # noqa: E731
-    dk_specs = [pl.BlockSpec((None, R, Tp, Kp), group),
-                pl.BlockSpec((None, None, bk, Kp), lambda b, g, j: (b, g, j, 0)),
-                pl.BlockSpec((None, R, Tp, Kp), group),
-                pl.BlockSpec((None, R, Tp), lambda b, g, j: (b, g, 0)),
-                pl.BlockSpec((None, R, Tp), lambda b, g, j: (b, g, 0))]
+    group = lambda j, b, g: (b, 0, g, 0)  # noqa: E731  (the R query heads of key head g)
+    key_tile = lambda j, b, g: (b, j, g, 0)  # noqa: E731
+    dk_specs = [pl.BlockSpec((None, Tp, R, Kp), group),
+                pl.BlockSpec((None, bk, None, Kp), key_tile),
+                pl.BlockSpec((None, Tp, R, Kp), group),
+                pl.BlockSpec((None, R, Tp), lambda j, b, g: (b, g, 0)),
+                pl.BlockSpec((None, R, Tp), lambda j, b, g: (b, g, 0))]
     args = [q, k, do, lse, delta]
     if has_seg:
-        dq_specs += [pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
-                     pl.BlockSpec((None, Sp), lambda b, h, i: (b, 0))]
-        dk_specs += [pl.BlockSpec((None, Tp), lambda b, g, j: (b, 0)),
-                     pl.BlockSpec((None, bk), lambda b, g, j: (b, j))]
+        dq_specs += [pl.BlockSpec((None, bq), lambda n, b, h: (b, _last_first(n, num_q))),
+                     pl.BlockSpec((None, Sp), lambda n, b, h: (b, 0))]
+        dk_specs += [pl.BlockSpec((None, Tp), lambda j, b, g: (b, 0)),
+                     pl.BlockSpec((None, bk), lambda j, b, g: (b, j))]
         args += [seg_q, seg_k]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, p=p, has_seg=has_seg),
-        grid=(B, H, Tp // bq), in_specs=dq_specs,
-        out_specs=pl.BlockSpec((None, None, bq, Kp), row),
+        grid=(num_q, B, H), in_specs=dq_specs,
+        out_specs=pl.BlockSpec((None, bq, None, Kp), row),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compiler_params(Kp, bq, bk), interpret=p.interpret,
+        compiler_params=_compiler_params(p, Kp, bq, bk), interpret=p.interpret,
         name="cem_tied_attention_dq_gpu",
     )(*args)
     dk = pl.pallas_call(
         functools.partial(_dk_kernel, p=p, has_seg=has_seg),
-        grid=(B, G, Sp // bk), in_specs=dk_specs,
-        out_specs=pl.BlockSpec((None, None, bk, Kp), lambda b, g, j: (b, g, j, 0)),
+        grid=(Sp // bk, B, G), in_specs=dk_specs,
+        out_specs=pl.BlockSpec((None, bk, None, Kp), key_tile),
         out_shape=jax.ShapeDtypeStruct(k.shape, k.dtype),
-        compiler_params=_compiler_params(Kp, bq, bk), interpret=p.interpret,
+        compiler_params=_compiler_params(p, Kp, bq, bk), interpret=p.interpret,
         name="cem_tied_attention_dk_gpu",
     )(*args)
     return dq, dk

@@ -20,6 +20,7 @@ from cem_jax.kernels import gpu, tpu
 from cem_jax.kernels.common import (
     BlockSizes,
     KernelParams,
+    check_compiled_gpu_blocks,
     clip_block,
     pad_axis,
     resolve_backend,
@@ -67,7 +68,8 @@ def tied_attention(q: Array, k: Array, *, causal: bool = True, segment_ids: Arra
 
     Raises:
       ValueError: wrong rank, non-float or mismatched dtypes, H % G != 0, mismatched batch or
-        head width, bad segment_ids, scale, block_sizes or backend.
+        head width, bad segment_ids, scale, block_sizes or backend; block sizes that are not
+        powers of two ≥ 16 for the compiled GPU kernel.
     """
     validate(q, k, causal, segment_ids, scale, block_sizes, backend)
     backend, interpret = resolve_backend(backend, interpret)
@@ -79,8 +81,12 @@ def tied_attention(q: Array, k: Array, *, causal: bool = True, segment_ids: Arra
                                           scale=beta)
     else:
         bs = block_sizes or BlockSizes.get_default(backend)
-        bq, bqb = clip_block(bs.block_q, T), clip_block(bs.block_q_bwd, T)
-        bk, bkb = clip_block(bs.block_k, S), clip_block(bs.block_k_bwd, S)
+        least = 8
+        if backend == "gpu" and not interpret:
+            check_compiled_gpu_blocks(bs)
+            least = 16
+        bq, bqb = clip_block(bs.block_q, T, least), clip_block(bs.block_q_bwd, T, least)
+        bk, bkb = clip_block(bs.block_k, S, least), clip_block(bs.block_k_bwd, S, least)
         Tp = round_up(T, math.lcm(bq, bqb))
         Sp = round_up(S, math.lcm(bk, bkb))
         if S == T:  # self-attention: one padded length, so segment ids pair up
@@ -88,14 +94,15 @@ def tied_attention(q: Array, k: Array, *, causal: bool = True, segment_ids: Arra
         Kp = round_up(K, 128) if backend == "tpu" else max(16, 1 << (K - 1).bit_length())
         params = KernelParams(causal=causal, scale=beta, kv_len=S if Sp != S else None,
                               ratio=H // G, block_q=bq, block_k=bk, block_q_bwd=bqb,
-                              block_k_bwd=bkb, interpret=interpret)
-        qh = pad_axis(pad_axis(q.transpose(0, 2, 1, 3), 2, Tp), 3, Kp)
-        kh = pad_axis(pad_axis(k.transpose(0, 2, 1, 3), 2, Sp), 3, Kp)
+                              block_k_bwd=bkb, num_warps=bs.num_warps,
+                              num_stages=bs.num_stages, interpret=interpret)
+        qp = pad_axis(pad_axis(q, 1, Tp), 3, Kp)  # no copy when nothing needs padding
+        kp = pad_axis(pad_axis(k, 1, Sp), 3, Kp)
         seg = None
         if segment_ids is not None:  # pad with the edge id: padded rows still see a key
             seg = pad_axis(segment_ids.astype(jnp.int32), 1, Tp, mode="edge")
-        o, lse = _flash(qh, kh, seg, backend, params)
-        o = o[:, :, :T, :K].transpose(0, 2, 1, 3)
+        o, lse = _flash(qp, kp, seg, backend, params)
+        o = o[:, :T, :, :K]
         lse = lse[:, :, :T]
     if return_energy:
         return o, -lse / beta
@@ -104,7 +111,7 @@ def tied_attention(q: Array, k: Array, *, causal: bool = True, segment_ids: Arra
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _flash(q, k, seg, backend, params):
-    """(o, lse) of the padded heads-major problem on one Pallas backend."""
+    """(o [B,Tp,H,Kp], lse [B,H,Tp]) of the padded problem on one Pallas backend."""
     return _KERNELS[backend].forward(q, k, seg, seg, params)
 
 
@@ -117,8 +124,8 @@ def _flash_bwd(backend, params, residuals, cotangents):
     q, k, seg, o, lse = residuals
     do, dlse = cotangents
     # δ = rowsum(do ⊙ o) - ∂L/∂lse: the lse cotangent enters ds = p ⊙ (dp - δ) like δ does.
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
-    delta = delta - dlse.astype(jnp.float32)
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B,Tp,H]
+    delta = delta.transpose(0, 2, 1) - dlse.astype(jnp.float32)
     dq, dk = _KERNELS[backend].backward(q, k, seg, seg, do.astype(q.dtype), lse, delta, params)
     return dq, dk, None
 

@@ -1,8 +1,10 @@
 """TPU kernels (Pallas/Mosaic TPU) of causal tied-key/value flash attention, forward and backward.
 
 FlashAttention-2 (Dao, arXiv 2307.08691) specialised to CEM's values-are-keys attention
-(DESIGN.md §1). Heads-major layout, every array already padded by
-`cem_jax.kernels.tied_attention` (tiles divide the lengths; K padded to the 128-lane width):
+(DESIGN.md §1). `forward` and `backward` take the op's sequence-major arrays (q [B,Tp,H,Kp],
+k [B,Sp,G,Kp]) and transpose them to the heads-major layout the kernels tile (a tile's last two
+axes are sequence × K), every array already padded by `cem_jax.kernels.tied_attention` (tiles
+divide the lengths; K padded to the 128-lane width):
 
     q, do, o [B,H,Tp,Kp]   k [B,G,Sp,Kp]   lse, delta fp32 [B,H,Tp,1]
     segment ids int32: queries [B,Tp,1] (sublane-major), keys [B,1,Sp] (lane-major)
@@ -118,9 +120,22 @@ def _segment_arrays(seg: Array | None, Sp: int):
     return [seg[:, :, None], seg[:, None, :Sp]]
 
 
+def _heads(x: Array) -> Array:
+    """[B,T,N,K] <-> [B,N,T,K] (its own inverse)."""
+    return x.transpose(0, 2, 1, 3)
+
+
 def forward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, p: KernelParams
             ) -> tuple[Array, Array]:
-    """o [B,H,Tp,Kp] (q.dtype), lse fp32 [B,H,Tp] for padded heads-major inputs."""
+    """o [B,Tp,H,Kp] (q.dtype), lse fp32 [B,H,Tp] for padded inputs q [B,Tp,H,Kp],
+    k [B,Sp,G,Kp]."""
+    o, lse = _forward(_heads(q), _heads(k), seg_q, seg_k, p)
+    return _heads(o), lse
+
+
+def _forward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, p: KernelParams
+             ) -> tuple[Array, Array]:
+    """o [B,H,Tp,Kp], lse [B,H,Tp] in the heads-major layout."""
     del seg_k  # self-attention: the same ids (validated upstream)
     B, H, Tp, Kp = q.shape
     Sp, R, bq, bk = k.shape[2], p.ratio, p.block_q, p.block_k
@@ -209,9 +224,15 @@ def _dk_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams,
 
 def backward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, do: Array,
              lse: Array, delta: Array, p: KernelParams) -> tuple[Array, Array]:
-    """(dq [B,H,Tp,Kp], dk [B,G,Sp,Kp]) from the padded inputs, do [B,H,Tp,Kp] and fp32
+    """(dq [B,Tp,H,Kp], dk [B,Sp,G,Kp]) from the padded inputs, do [B,Tp,H,Kp] and fp32
     lse, delta [B,H,Tp] (delta = rowsum(do ⊙ o) minus the cotangent of lse)."""
-    del seg_k
+    dq, dk = _backward(_heads(q), _heads(k), seg_q, do=_heads(do), lse=lse, delta=delta, p=p)
+    return _heads(dq), _heads(dk)
+
+
+def _backward(q: Array, k: Array, seg_q: Array | None, *, do: Array, lse: Array, delta: Array,
+              p: KernelParams) -> tuple[Array, Array]:
+    """dq [B,H,Tp,Kp], dk [B,G,Sp,Kp] in the heads-major layout."""
     B, H, Tp, Kp = q.shape
     G, Sp = k.shape[1], k.shape[2]
     R, bq, bk = p.ratio, p.block_q_bwd, p.block_k_bwd

@@ -31,6 +31,8 @@ if PLATFORM == "gpu":
 if PLATFORM == "tpu":
     RUNS.append(("tpu", False))
 SMALL_BLOCKS = BlockSizes(block_q=16, block_k=8, block_q_bwd=8, block_k_bwd=16)
+# Compiled Triton tiles are powers of two ≥ 16; still several tiles on the short test lengths.
+SMALL_BLOCKS_COMPILED_GPU = BlockSizes(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32)
 
 
 def inputs(B, T, H, G, K, *, S=None, dtype=jnp.float32, seed=0):
@@ -70,7 +72,12 @@ def reference(causal=True, segment_ids=None, scale=None):
 
 
 def assert_matches_reference(backend, interpret, q, k, w, *, tol, causal=True, segment_ids=None,
-                             block_sizes=SMALL_BLOCKS, scale=None):
+                             block_sizes="small", scale=None):
+    """block_sizes: a `BlockSizes`, None (the backend's defaults) or "small" (several tiles)."""
+    if block_sizes == "small":
+        compiled_gpu = backend == "gpu" and not interpret
+        block_sizes = SMALL_BLOCKS_COMPILED_GPU if compiled_gpu else SMALL_BLOCKS
+
     def kernel(q, k):
         return tied_attention(q, k, causal=causal, segment_ids=segment_ids, scale=scale,
                               return_energy=True, block_sizes=block_sizes, backend=backend,
@@ -175,8 +182,9 @@ def test_energy_is_the_interaction_energy():
         return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
 
     q, k = rotated(y, c)
+    blocks = SMALL_BLOCKS_COMPILED_GPU if PLATFORM == "gpu" else SMALL_BLOCKS
     kernel = jax.jit(lambda q, k: tied_attention(q, k, segment_ids=seg, return_energy=True,
-                                                 backend="gpu", block_sizes=SMALL_BLOCKS))
+                                                 backend="gpu", block_sizes=blocks))
     _, energy = kernel(q, k)
     want = jax.jit(lambda y, c: attention_energy(params, y, c, spec=spec, segment_ids=seg))(y, c)
     assert_close_to_scale(energy.sum(axis=1), want, 1e-5)
@@ -205,6 +213,9 @@ def test_cpu_default_backend_is_the_reference():
     ((1, 8, 4, 8), (1, 8, 2, 8), {"backend": "cuda"}, "unknown backend"),
     ((1, 8, 4, 8), (1, 8, 2, 8), {"block_sizes": (128, 128)}, "BlockSizes"),
     ((1, 0, 4, 8), (1, 0, 2, 8), {}, "empty"),
+    ((1, 8, 4, 8), (1, 8, 2, 8),
+     {"backend": "gpu", "interpret": False, "block_sizes": BlockSizes(block_k=24)},
+     "block_k = 24: the compiled GPU kernel needs powers of two ≥ 16"),
 ])
 def test_bad_arguments_raise_clear_errors(q_shape, k_shape, kwargs, match):
     with pytest.raises(ValueError, match=match):
