@@ -3,7 +3,8 @@ preconditioners, and the sub-layer / block that run the CEM steps (DESIGN.md §1
 
 The modules only hold parameters (with logical axis names for sharding: "vocab", "embed",
 "heads", "kv_heads", "mlp", "norm"; `None` = replicated); the math is the pure functions of
-`cem_jax.energies` and `cem_jax.updates`.
+`cem_jax.energies` and `cem_jax.updates`. `constrain` pins an activation's sharding when the
+model is traced under a mesh (the train steps); without one it does nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from cem_jax.config import ModelConfig
 from cem_jax.energies import AttentionSpec, get_activation
@@ -27,6 +29,30 @@ from cem_jax.updates import (
 )
 
 Array = jax.Array
+# Mesh axes that split the batch of every activation (the mesh is `cem_jax.train.sharding`'s).
+BATCH_AXES = ("data", "fsdp")
+
+
+def constrain(x: Array, *axes: str | tuple[str, ...] | None) -> Array:
+    """`x` constrained to be split over mesh `axes` (one entry per dimension: a mesh axis, a
+    tuple of them, or None) when traced under a mesh (`jax.sharding.use_abstract_mesh`, as
+    `cem_jax.train.step.Trainer` does); with no mesh it is `x` unchanged.
+
+    Mesh axes the mesh lacks are left out, and a dimension that its axes' total size does not
+    divide stays unsplit. The model pins its activations to `BATCH_AXES` on B: without this,
+    XLA's sharding propagation can follow a parameter sharded over "fsdp" (e.g. the tied
+    embedding's D) and compute whole-batch activations on every device.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = []
+    for size, names in zip(x.shape, axes, strict=True):
+        names = tuple(n for n in ((names,) if isinstance(names, str) else names or ())
+                      if n in mesh.shape)
+        split = math.prod(mesh.shape[n] for n in names)
+        spec.append(names if names and size % split == 0 else None)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], *,

@@ -1,6 +1,7 @@
 """The decoder-only language model: token embedding, L blocks (scanned), final norm, logits.
 
-`CEMTransformer(cfg, rngs=nnx.Rngs(0))(tokens)` gives fp32 logits [B,T,V]. With
+`CEMTransformer(cfg, rngs=nnx.Rngs(0))(tokens)` gives fp32 logits [B,T,V]. Under a mesh (the
+train steps) the residual stream and the logits are split over the batch axes (`constrain`). With
 `tie_attention=tie_mlp=False`, `preconditioner="none"`, `steps=1` it is the Llama of Hugging Face
 `transformers` (DESIGN.md §1 "Baseline"); with tying on, every sub-layer is a CEM step.
 """
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cem_jax.config import ModelConfig
-from cem_jax.layers import Block, RMSNorm, param
+from cem_jax.layers import BATCH_AXES, Block, RMSNorm, constrain, param
 from cem_jax.updates import rms_norm
 
 Array = jax.Array
@@ -57,10 +58,15 @@ class CEMTransformer(nnx.Module):
         before and after each step (see `cem_jax.monitor`).
         """
         cfg = self.cfg
-        x = self.embed[...].astype(cfg.dtype)[tokens]
+        # Under a mesh the residual stream [B,T,D] is pinned to the batch axes after the
+        # embedding and after every block, and so are the logits [B,T,V] (V over "tensor", like
+        # the head's "vocab" axis): weights sharded over "fsdp" get gathered, while each device
+        # computes only its own rows.
+        x = constrain(self.embed[...].astype(cfg.dtype)[tokens], BATCH_AXES, None, None)
 
         def apply(block, x):
-            return block(x, positions, segment_ids, monitor=return_energies)
+            x, energies = block(x, positions, segment_ids, monitor=return_energies)
+            return constrain(x, BATCH_AXES, None, None), energies
 
         if cfg.remat == "full":
             apply = nnx.remat(apply)
@@ -80,6 +86,7 @@ class CEMTransformer(nnx.Module):
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
         logits = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype),
                             preferred_element_type=jnp.float32)
+        logits = constrain(logits, BATCH_AXES, None, "tensor")
         return (logits, energies) if return_energies else logits
 
 

@@ -137,19 +137,31 @@ class RunConfig:
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
             "mesh": MeshConfig, "run": RunConfig}
+TOP_LEVEL_KEYS = ("expected_params",)  # plain values beside the sections
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """All sections of a run; `validate` checks what spans sections."""
+    """All sections of a run; `__post_init__` checks what spans sections.
+
+    expected_params: optional top-level key, the model's exact total parameter count (as
+      `cem_jax.model.count_params` gives it). `cem-train` (and `--dry-run`) compares it with
+      the model built from the `model` section before anything else and stops with both
+      numbers on a mismatch (`cem_jax.train.dry_run.check_expected_params`); null: no check.
+    """
 
     model: ModelConfig
     data: DataConfig
     optimizer: OptimizerConfig
     mesh: MeshConfig
     run: RunConfig
+    expected_params: int | None = None
 
     def __post_init__(self):
+        ok = self.expected_params is None or (isinstance(self.expected_params, int)
+                                              and not isinstance(self.expected_params, bool)
+                                              and self.expected_params >= 1)
+        require(ok, "expected_params", self.expected_params, "a positive integer or null")
         if self.model.vocab_size != self.data.vocab_size:
             raise ValueError(f"model.vocab_size = {self.model.vocab_size} but data.vocab_size = "
                              f"{self.data.vocab_size}: they must be equal")
@@ -160,17 +172,19 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict of every field (the resolved config)."""
-        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        return {**{name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS},
+                "expected_params": self.expected_params}
 
 
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     """Nested dict → `TrainConfig`; unknown sections or fields raise `ValueError`."""
-    unknown = set(values) - set(SECTIONS)
+    unknown = set(values) - set(SECTIONS) - set(TOP_LEVEL_KEYS)
     if unknown:
         raise ValueError(f"unknown config section(s) {sorted(unknown)} (known: "
-                         f"{', '.join(SECTIONS)})")
+                         f"{', '.join(SECTIONS)}; top-level keys: {', '.join(TOP_LEVEL_KEYS)})")
     return TrainConfig(**{name: from_dict(cls, values.get(name) or {}, section=name)
-                          for name, cls in SECTIONS.items()})
+                          for name, cls in SECTIONS.items()},
+                       **{key: values[key] for key in TOP_LEVEL_KEYS if key in values})
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

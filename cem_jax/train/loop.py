@@ -2,6 +2,7 @@
 
     cem-train --config configs/shakespeare_cem.yaml run.steps=200 optimizer.lr=3e-3
     python -m cem_jax.train --config configs/shakespeare_llama.yaml run.dir=runs/llama
+    cem-train --config configs/cem_full_100m.yaml --dry-run   # compile only: memory, FLOPs
 
 A run directory holds config.yaml (resolved), tokenizer.model, metrics.jsonl, tensorboard/ and
 checkpoints/. Starting in one that has a checkpoint resumes from the latest (same model and data
@@ -38,6 +39,7 @@ from cem_jax.data import (
 from cem_jax.data.shakespeare import FetchError
 from cem_jax.train.checkpoint import Checkpointer, CheckpointError
 from cem_jax.train.config import TrainConfig, load_config, save_config
+from cem_jax.train.dry_run import check_batch_split, check_expected_params, dry_run
 from cem_jax.train.metrics import MetricsWriter, flops_per_token, peak_flops
 from cem_jax.train.optim import learning_rate
 from cem_jax.train.sample import generate
@@ -56,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config file (default: all defaults)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override config fields, e.g. run.steps=20 optimizer.lr=3e-3")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="compile one train step on abstract inputs and print parameters, "
+                             "mesh, batch, per-device memory and FLOPs; reads no data and "
+                             "writes nothing")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -63,7 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cem-train: configuration error: {err}", file=sys.stderr)
         return 2
     try:
-        train(cfg)
+        if args.dry_run:
+            dry_run(cfg)
+        else:
+            train(cfg)
     except (TrainingDiverged, CheckpointError, FetchError, FileNotFoundError, FileExistsError,
             ValueError) as err:
         print(f"cem-train: error: {err}", file=sys.stderr)
@@ -75,7 +84,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "stopped_early",
     "eval": {"loss", "perplexity", "bits_per_byte"} (empty without a validation split),
     "sample"}. Raises TrainingDiverged, CheckpointError, ValueError (config/run dir mismatch),
-    FileNotFoundError (a resumed run dir without tokenizer.model)."""
+    FileNotFoundError (a resumed run dir without tokenizer.model); ValueError also when
+    `cfg.expected_params` is not the model's parameter count (checked before anything is
+    written)."""
+    if cfg.expected_params is not None:
+        check_expected_params(cfg)
     if cfg.mesh.distributed:
         jax.distributed.initialize(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
                                    cfg.mesh.process_id)
@@ -83,11 +96,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(cfg.mesh)
-    rows = cfg.data.batch_size // cfg.optimizer.accumulation_steps
-    if rows % (mesh.shape["data"] * mesh.shape["fsdp"]):
-        raise ValueError(f"a micro-batch of {rows} rows (data.batch_size / optimizer."
-                         f"accumulation_steps) cannot be split over data×fsdp = "
-                         f"{mesh.shape['data'] * mesh.shape['fsdp']} devices")
+    check_batch_split(cfg, mesh)
     checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
     resume_step = checkpointer.latest_step()
     tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)

@@ -1,13 +1,14 @@
 """The device mesh and where every array lives on it.
 
-Mesh axes ("data", "fsdp", "tensor"). Batches are split over ("data", "fsdp") on their batch
-axis. Parameters carry logical axis names (`cem_jax.layers.param`); `LOGICAL_RULES` maps them to
-mesh axes: the model width "embed" is sharded over "fsdp" (ZeRO-3 style: each device holds a
-slice, XLA gathers it for the matmul) and the "heads", "kv_heads", "mlp", "vocab" axes over
-"tensor" (Megatron style). A dimension that the mesh axis size does not divide, or whose mesh
-axis is already used by another dimension of the same array, stays replicated, so every mesh
-shape works for every model (only memory and speed differ). The optimizer state is sharded like
-the parameters.
+Mesh axes ("data", "fsdp", "tensor"). Batches are split over `BATCH_AXES` ("data", "fsdp") on
+their batch axis, and so are the model's activations inside the steps, whatever the parameters'
+sharding (`cem_jax.layers.constrain`). Parameters carry logical axis names
+(`cem_jax.layers.param`); `LOGICAL_RULES` maps them to mesh axes: the model width "embed" is
+sharded over "fsdp" (ZeRO-3 style: each device holds a slice, XLA gathers it for the matmul) and
+the "heads", "kv_heads", "mlp", "vocab" axes over "tensor" (Megatron style). A dimension that
+the mesh axis size does not divide, or whose mesh axis is already used by another dimension of
+the same array, stays replicated, so every mesh shape works for every model (only memory and
+speed differ). The optimizer state is sharded like the parameters.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from cem_jax.layers import BATCH_AXES
 from cem_jax.train.config import MeshConfig
 
 AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
 LOGICAL_RULES = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor",
                  "mlp": "tensor", "norm": None}
 

@@ -9,6 +9,9 @@ turns it into a model (graph definition, logical specs, mesh shardings) and the 
     state, metrics = trainer.train_step(state, batch)   # state donated
     loss_sum, weight_sum = trainer.eval_step(state["params"], batch)
 
+The model runs under the mesh (`jax.sharding.use_abstract_mesh`), so its activations stay split
+over the batch axes whatever the parameters' sharding (`cem_jax.layers.constrain`).
+
 Loss: mean next-token cross entropy in nats (fp32 logits). With `accumulation_steps` A, the
 batch [B,T] is dealt into A micro-batches [B/A,T] (rows a, a+A, a+2A, ..., so every device holds
 part of each) and `lax.scan` sums their gradients: the step equals one on the whole batch.
@@ -89,10 +92,18 @@ class Trainer:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_shardings)
 
+    def logits(self, params: dict, batch: Batch) -> jax.Array:
+        """fp32 logits [B,T,V] of int32 [B,T] `batch["inputs"]`, `positions`, `segment_ids`;
+        traced (inside the jitted steps) under this mesh, so the model's activations are split
+        over its batch axes (`cem_jax.layers.constrain`)."""
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            return self.model(params)(batch["inputs"], batch["positions"],
+                                      batch["segment_ids"])
+
     def loss(self, params: dict, batch: Batch) -> jax.Array:
         """Mean cross entropy (nats, fp32 scalar) of int32 [B,T] `batch["targets"]` given
         `inputs`, `positions`, `segment_ids`."""
-        logits = self.model(params)(batch["inputs"], batch["positions"], batch["segment_ids"])
+        logits = self.logits(params, batch)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
     def _train_step(self, state: dict, batch: Batch):
@@ -120,6 +131,6 @@ class Trainer:
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     def _eval_step(self, params: dict, batch: Batch):
-        logits = self.model(params)(batch["inputs"], batch["positions"], batch["segment_ids"])
+        logits = self.logits(params, batch)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
         return jnp.sum(ce * batch["weights"]), jnp.sum(batch["weights"])
