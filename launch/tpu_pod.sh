@@ -1,0 +1,361 @@
+#!/usr/bin/env bash
+# Train cem_jax on a Cloud TPU VM slice (one host or a pod slice of many), surviving preemption.
+#
+#   launch/tpu_pod.sh --zone us-central2-b --accelerator v4-32 --bucket my-bucket -- \
+#       model.d_model=512 run.steps=20000
+#
+# Creates the slice unless it exists, installs the package on every worker, starts the same
+# `cem-train ... mesh.distributed=true` on every worker (JAX finds the coordinator, the process
+# count and the process index in the TPU environment), streams worker 0's log and waits for all
+# workers. When the slice goes away (spot/preemptible VM preempted, maintenance, lost ssh) it
+# deletes/recreates it or waits for it to be READY, reinstalls if it is new, and runs the same
+# command again: cem-train resumes from the newest checkpoint in run.dir, so run.dir must be
+# storage that outlives the slice and that every worker sees (a gcsfuse-mounted bucket, see
+# --bucket, or a Filestore/NFS mount). See launch/README.md. Run with --help for the options.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+Usage: launch/tpu_pod.sh [options] [--] [section.key=value ...]
+
+Slice (flag / environment variable, default):
+  --name NAME            TPU_NAME         TPU VM name (cem-jax)
+  --zone ZONE            TPU_ZONE         zone, e.g. us-central2-b (required)
+  --project PROJECT      TPU_PROJECT      project (gcloud's default project)
+  --accelerator TYPE     TPU_ACCELERATOR  --accelerator-type, e.g. v4-32, v5litepod-16 (v4-8)
+  --version RUNTIME      TPU_VERSION      TPU software version (tpu-ubuntu2204-base)
+  --spot                 TPU_SPOT=1       create a spot VM (cheaper, may be preempted)
+  --preemptible          TPU_PREEMPTIBLE=1  create a preemptible VM (older TPU generations)
+  --create-flag FLAG     (repeatable)     extra flag for `tpu-vm create`, e.g. --network=N
+
+Code and environment on the workers:
+  --repo-url URL         REPO_URL         git clone URL (default: copy this checkout with scp)
+  --repo-ref REF         REPO_REF         branch, tag or commit to check out (HEAD)
+  --python VERSION       PYTHON_VERSION   Python of the workers' venv, made by uv (3.12)
+  --extras EXTRAS        TPU_EXTRAS       pip extras of the install (tpu)
+  --env KEY=VALUE        (repeatable)     environment variable of the training processes
+
+Training:
+  --config FILE          CONFIG           config, relative to the repository root
+                                          (configs/shakespeare_cem.yaml)
+  --run-dir DIR          RUN_DIR          run.dir on the workers: shared and persistent
+                                          (default with --bucket: MOUNT/runs/NAME)
+  --bucket BUCKET        TPU_BUCKET       mount gs://BUCKET with gcsfuse on every worker
+  --mount DIR            TPU_MOUNT        where to mount it (/mnt/BUCKET)
+  section.key=value ...                   config overrides, passed to cem-train as they are
+
+Retries:
+  --max-restarts N       MAX_RESTARTS     runs after a failure before giving up (20)
+  --max-waits N          MAX_WAITS        polls for a READY slice per attempt (120)
+  --poll-interval S      POLL_INTERVAL    seconds between polls of the slice state (30)
+  --retry-delay S        RETRY_DELAY      seconds before running again after a failure (60)
+
+  --dry-run              DRY_RUN=1        print the gcloud commands instead of running them
+  -h, --help                              this help
+
+Exit status: 0 when training finished, cem-train's status (1 failed or diverged, 2 bad
+config) when it failed on a healthy slice, 1 when the retries ran out.
+EOF
+}
+
+die() { echo "tpu_pod.sh: $*" >&2; exit 2; }
+say() { echo "tpu_pod.sh: $*" >&2; }
+
+NAME=${TPU_NAME:-cem-jax}
+ZONE=${TPU_ZONE:-}
+PROJECT=${TPU_PROJECT:-}
+ACCELERATOR=${TPU_ACCELERATOR:-v4-8}
+VERSION=${TPU_VERSION:-tpu-ubuntu2204-base}
+SPOT=${TPU_SPOT:-0}
+PREEMPTIBLE=${TPU_PREEMPTIBLE:-0}
+REPO_URL=${REPO_URL:-}
+REPO_REF=${REPO_REF:-HEAD}
+PYTHON_VERSION=${PYTHON_VERSION:-3.12}
+EXTRAS=${TPU_EXTRAS:-tpu}
+CONFIG=${CONFIG:-configs/shakespeare_cem.yaml}
+RUN_DIR=${RUN_DIR:-}
+BUCKET=${TPU_BUCKET:-}
+MOUNT=${TPU_MOUNT:-}
+MAX_RESTARTS=${MAX_RESTARTS:-20}
+MAX_WAITS=${MAX_WAITS:-120}
+POLL_INTERVAL=${POLL_INTERVAL:-30}
+RETRY_DELAY=${RETRY_DELAY:-60}
+DRY_RUN=${DRY_RUN:-0}
+GCLOUD=${GCLOUD:-gcloud}
+SOURCE_DIR=${SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+CREATE_FLAGS=()
+TRAIN_ENV=()
+OVERRIDES=()
+
+need() { [[ $# -ge 2 && -n $2 ]] || die "$1 needs a value"; }
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    -h|--help) usage; exit 0 ;;
+    --name) need "$@"; NAME=$2; shift 2 ;;
+    --zone) need "$@"; ZONE=$2; shift 2 ;;
+    --project) need "$@"; PROJECT=$2; shift 2 ;;
+    --accelerator) need "$@"; ACCELERATOR=$2; shift 2 ;;
+    --version) need "$@"; VERSION=$2; shift 2 ;;
+    --spot) SPOT=1; shift ;;
+    --preemptible) PREEMPTIBLE=1; shift ;;
+    --create-flag) need "$@"; CREATE_FLAGS+=("$2"); shift 2 ;;
+    --repo-url) need "$@"; REPO_URL=$2; shift 2 ;;
+    --repo-ref) need "$@"; REPO_REF=$2; shift 2 ;;
+    --python) need "$@"; PYTHON_VERSION=$2; shift 2 ;;
+    --extras) need "$@"; EXTRAS=$2; shift 2 ;;
+    --env) need "$@"; [[ $2 == [A-Za-z_]*=* ]] || die "--env takes KEY=VALUE, not '$2'"
+           TRAIN_ENV+=("$2"); shift 2 ;;
+    --config) need "$@"; CONFIG=$2; shift 2 ;;
+    --run-dir) need "$@"; RUN_DIR=$2; shift 2 ;;
+    --bucket) need "$@"; BUCKET=$2; shift 2 ;;
+    --mount) need "$@"; MOUNT=$2; shift 2 ;;
+    --max-restarts) need "$@"; MAX_RESTARTS=$2; shift 2 ;;
+    --max-waits) need "$@"; MAX_WAITS=$2; shift 2 ;;
+    --poll-interval) need "$@"; POLL_INTERVAL=$2; shift 2 ;;
+    --retry-delay) need "$@"; RETRY_DELAY=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    --) shift; OVERRIDES+=("$@"); break ;;
+    -*) die "unknown option '$1' (see --help)" ;;
+    *=*) OVERRIDES+=("$1"); shift ;;
+    *) die "'$1' is neither an option nor a section.key=value override (see --help)" ;;
+  esac
+done
+
+[[ -n $ZONE ]] || die "the zone is required: --zone ZONE or TPU_ZONE (see --help)"
+for n in MAX_RESTARTS MAX_WAITS POLL_INTERVAL RETRY_DELAY; do
+  [[ ${!n} =~ ^[0-9]+$ ]] || die "$n must be a non-negative integer, not '${!n}'"
+done
+BUCKET=${BUCKET#gs://}
+BUCKET=${BUCKET%/}
+if [[ -n $BUCKET ]]; then
+  MOUNT=${MOUNT:-/mnt/$BUCKET}
+  RUN_DIR=${RUN_DIR:-$MOUNT/runs/$NAME}
+fi
+[[ -n $RUN_DIR ]] || die "give --run-dir (a shared, persistent path on the workers) or --bucket"
+if [[ $RUN_DIR == gs://* ]]; then
+  die "run.dir is a local path for cem_jax; mount the bucket instead: --bucket ${RUN_DIR#gs://}"
+fi
+if [[ $RUN_DIR != /* ]]; then
+  say "warning: run.dir '$RUN_DIR' is on the workers' boot disks: not shared between" \
+      "workers, and lost when a preempted slice is recreated"
+fi
+
+LOCATION=(--zone="$ZONE")
+[[ -z $PROJECT ]] || LOCATION+=(--project="$PROJECT")
+
+# Paths on the workers, relative to the ssh user's home.
+REMOTE_REPO=cem_jax
+REMOTE_VENV=cem_venv
+# ~/cem_launch holds the trainer's script, pid, log and exit status (see launch_command).
+
+gcloud_run() {  # gcloud_run ARGS...: run gcloud, or print it with --dry-run
+  if [[ $DRY_RUN == 1 ]]; then
+    { printf '%q' "$GCLOUD"; printf ' %q' "$@"; printf '\n'; } >&3  # fd 3: the real stdout
+    return 0
+  fi
+  printf '+ %s' "$GCLOUD" >&2; printf ' %q' "$@" | cut -c1-300 >&2
+  "$GCLOUD" "$@"
+}
+
+tpu() { gcloud_run compute tpus tpu-vm "$1" "$NAME" "${LOCATION[@]}" "${@:2}"; }
+on_workers() { tpu ssh --worker="$1" --command="$2"; }  # on_workers all|0 COMMAND
+
+exec 3>&1
+DRY_STATE=MISSING
+slice_state() {  # prints READY, CREATING, PREEMPTED, ..., MISSING (no such slice) or ERROR
+  if [[ $DRY_RUN == 1 ]]; then
+    gcloud_run compute tpus tpu-vm describe "$NAME" "${LOCATION[@]}" --format='value(state)'
+    echo "$DRY_STATE"
+    return 0
+  fi
+  local err out
+  err=$(mktemp)
+  if out=$("$GCLOUD" compute tpus tpu-vm describe "$NAME" "${LOCATION[@]}" \
+           --format='value(state)' 2>"$err"); then
+    echo "${out:-UNKNOWN}"
+  elif grep -qiE 'NOT_FOUND|not found' "$err"; then
+    echo MISSING
+  else
+    cat "$err" >&2
+    echo ERROR
+  fi
+  rm -f "$err"
+}
+
+create_slice() {
+  local flags=(--accelerator-type="$ACCELERATOR" --version="$VERSION")
+  [[ $SPOT != 1 ]] || flags+=(--spot)
+  [[ $PREEMPTIBLE != 1 ]] || flags+=(--preemptible)
+  say "creating $NAME ($ACCELERATOR, $VERSION) in $ZONE"
+  if tpu create "${flags[@]}" "${CREATE_FLAGS[@]}"; then
+    DRY_STATE=READY
+  else
+    say "create failed (no capacity?); trying again"
+    return 1
+  fi
+}
+
+NEED_INSTALL=1
+ensure_ready() {  # ensure_ready [KNOWN_STATE]: wait until the slice is READY, making it if needed
+  local state=${1:-} waits=0 pause
+  while true; do
+    [[ -n $state ]] || state=$(slice_state)
+    pause=1  # no pause after an action that succeeded: look at the state again at once
+    case $state in
+      READY) return 0 ;;
+      MISSING) NEED_INSTALL=1; create_slice && pause=0 ;;
+      PREEMPTED|TERMINATED)
+        say "$NAME is $state: deleting and recreating it"
+        NEED_INSTALL=1
+        if tpu delete --quiet; then create_slice && pause=0; else say "delete failed"; fi ;;
+      STOPPED) say "$NAME is STOPPED: starting it"; tpu start && pause=0 ;;
+      *) say "$NAME is $state: waiting for READY" ;;
+    esac
+    waits=$((waits + 1))
+    if ((waits > MAX_WAITS)); then
+      say "$NAME is not READY after $MAX_WAITS polls; giving up"
+      exit 1
+    fi
+    state=""
+    ((pause == 0)) || sleep "$POLL_INTERVAL"
+  done
+}
+
+upload_source() {  # copy this checkout to every worker (without --repo-url)
+  local tarball
+  tarball=$(mktemp "${TMPDIR:-/tmp}/cem_jax.XXXXXX")
+  tar -czf "$tarball" -C "$SOURCE_DIR" --exclude=./.git --exclude=./.venv --exclude=./runs \
+      --exclude=__pycache__ --exclude='*.egg-info' --exclude=.pytest_cache \
+      --exclude=.hypothesis --exclude=.ruff_cache --exclude=./build --exclude=./dist .
+  local rc=0
+  gcloud_run compute tpus tpu-vm scp "$tarball" "$NAME:$REMOTE_REPO.tar.gz" --worker=all \
+    "${LOCATION[@]}" || rc=$?
+  rm -f "$tarball"
+  return "$rc"
+}
+
+install_command() {
+  local cmd
+  # shellcheck disable=SC2016  # expanded on the workers
+  cmd='set -euo pipefail; cd "$HOME"
+export PATH="$HOME/.local/bin:$PATH"
+command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh
+'
+  if [[ -n $REPO_URL ]]; then
+    cmd+="[ -d $REMOTE_REPO/.git ] || git clone $(printf %q "$REPO_URL") $REMOTE_REPO
+git -C $REMOTE_REPO fetch --depth 1 origin $(printf %q "$REPO_REF")
+git -C $REMOTE_REPO checkout --force FETCH_HEAD
+"
+  else
+    cmd+="mkdir -p $REMOTE_REPO && tar -xzf $REMOTE_REPO.tar.gz -C $REMOTE_REPO
+"
+  fi
+  cmd+="[ -x $REMOTE_VENV/bin/python ] || uv venv --python $(printf %q "$PYTHON_VERSION") $REMOTE_VENV
+uv pip install --python $REMOTE_VENV/bin/python -e $(printf %q "./${REMOTE_REPO}[$EXTRAS]")
+"
+  if [[ -n $BUCKET ]]; then
+    # shellcheck disable=SC2016  # expanded on the workers
+    cmd+='if ! command -v gcsfuse >/dev/null; then
+  echo "deb [signed-by=/usr/share/keyrings/cloud.google.asc] https://packages.cloud.google.com/apt gcsfuse-$(lsb_release -c -s) main" | sudo tee /etc/apt/sources.list.d/gcsfuse.list
+  curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo tee /usr/share/keyrings/cloud.google.asc >/dev/null
+  sudo apt-get update -q && sudo apt-get install -yq gcsfuse
+fi
+'
+  fi
+  printf '%s' "$cmd"
+}
+
+train_script() {  # the script each worker runs under nohup: cem-train, then its exit status
+  local args=(--config "$CONFIG" "run.dir=$RUN_DIR" mesh.distributed=true "${OVERRIDES[@]}")
+  local envs=""
+  [[ ${#TRAIN_ENV[@]} -eq 0 ]] || envs="env $(printf '%q ' "${TRAIN_ENV[@]}")"
+  # shellcheck disable=SC2016  # expanded on the workers
+  printf 'cd "$HOME/%s" && %s"$HOME/%s/bin/cem-train" %s\necho $? > "$HOME/cem_launch/rc"\n' \
+    "$REMOTE_REPO" "$envs" "$REMOTE_VENV" "$(printf '%q ' "${args[@]}")"
+}
+
+# On every worker: mount the bucket, then start the trainer in the background (its output in
+# cem_launch/train.log, its exit status in cem_launch/rc), unless it is still running from an
+# earlier attempt (a lost ssh connection), in which case this attaches to it again.
+launch_command() {
+  local cmd="set -eu; cd \"\$HOME\"
+"
+  if [[ -n $BUCKET ]]; then
+    cmd+="if ! mountpoint -q $(printf %q "$MOUNT"); then
+  sudo mkdir -p $(printf %q "$MOUNT") && sudo chown \"\$(id -u):\$(id -g)\" $(printf %q "$MOUNT")
+  gcsfuse --implicit-dirs --rename-dir-limit=1000000 $(printf %q "$BUCKET") $(printf %q "$MOUNT")
+fi
+"
+  fi
+  # shellcheck disable=SC2016  # expanded on the workers
+  cmd+='mkdir -p cem_launch
+if [ -f cem_launch/pid ] && ps -p "$(cat cem_launch/pid)" -o args= | grep -q cem_launch/train.sh; then
+  echo "cem-train is still running on $(hostname): attaching"
+else
+  rm -f cem_launch/rc
+  printf "%s" '"$(printf %q "$(train_script)")"' > cem_launch/train.sh
+  nohup bash cem_launch/train.sh > cem_launch/train.log 2>&1 < /dev/null &
+  echo $! > cem_launch/pid
+fi'
+  printf '%s' "$cmd"
+}
+
+# On worker 0: its log from the start, until its trainer exits (at once if it is over).
+# shellcheck disable=SC2016  # expanded on the workers
+STREAM_COMMAND='cd "$HOME"
+if [ -f cem_launch/rc ] || [ ! -f cem_launch/pid ]; then cat cem_launch/train.log
+else tail -n +1 -f --pid="$(cat cem_launch/pid)" cem_launch/train.log; fi'
+
+# On every worker: wait for the trainer to exit, report and return its exit status.
+# shellcheck disable=SC2016  # expanded on the workers
+STATUS_COMMAND='cd "$HOME"; pid=$(cat cem_launch/pid 2>/dev/null || true)
+while [ -n "$pid" ] && ps -p "$pid" -o args= | grep -q cem_launch/train.sh; do sleep 5; done
+rc=$(cat cem_launch/rc 2>/dev/null || echo 255)
+echo "cem-launch-exit=$rc on $(hostname)"; exit "$rc"'
+
+attempt() {  # one run: install if the slice is new, start, stream, wait; returns the status
+  if [[ $NEED_INSTALL == 1 ]]; then
+    if [[ -z $REPO_URL ]]; then upload_source || return 255; fi
+    on_workers all "$(install_command)" || return 255
+    NEED_INSTALL=0
+  fi
+  on_workers all "$(launch_command)" || return 255
+  on_workers 0 "$STREAM_COMMAND" || say "log stream of worker 0 ended with status $?"
+  local out rc=0
+  out=$(on_workers all "$STATUS_COMMAND") || rc=$?
+  [[ -z $out ]] || printf '%s\n' "$out" >&2
+  [[ $rc != 0 ]] || return 0
+  # The trainers' own statuses decide: 1 or 2 (failed, bad config) first, then any other
+  # (e.g. 137, killed); none reported (ssh or gcloud failed) is 255.
+  local codes code
+  codes=$(grep -oE 'cem-launch-exit=[0-9]+' <<<"$out" | cut -d= -f2 | sort -un || true)
+  for code in 1 2 $codes; do
+    if [[ $code != 0 ]] && grep -qx "$code" <<<"$codes"; then return "$code"; fi
+  done
+  return 255
+}
+
+restarts=0
+state=""
+while true; do
+  ensure_ready "$state"
+  rc=0
+  attempt || rc=$?
+  if [[ $rc == 0 ]]; then
+    say "training finished; run directory $RUN_DIR"
+    exit 0
+  fi
+  state=$(slice_state)
+  if [[ $state == READY && ($rc == 1 || $rc == 2) ]]; then
+    say "cem-train failed with status $rc on a healthy slice; not retrying"
+    exit "$rc"
+  fi
+  restarts=$((restarts + 1))
+  if ((restarts > MAX_RESTARTS)); then
+    say "giving up after $MAX_RESTARTS restarts (last status $rc, slice $state)"
+    exit 1
+  fi
+  say "run ended with status $rc, slice $state: restart $restarts of $MAX_RESTARTS" \
+      "in ${RETRY_DELAY}s (cem-train resumes from its last checkpoint)"
+  sleep "$RETRY_DELAY"
+done

