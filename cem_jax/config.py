@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 
 import yaml
 
+from cem_jax.energies import ACTIVATIONS
 from cem_jax.updates import IMPLS
 
 T = TypeVar("T")
 
-ACTIVATIONS = ("silu", "gelu", "relu")
 INTERACTIONS = ("lowrank", "dplr")
 DIAGONALS = ("per_head", "shared")
 PRECONDITIONERS = ("none", "scalar", "diag", "dplr")
@@ -51,6 +51,8 @@ class ModelConfig:
       gradient_wrt: "normalized" (gradient in y = RMSNorm(x), as a pre-norm block does) or
         "residual" (through the norm, with respect to x; a true descent step on x).
       position: "rope" or "none" (NoPE).
+      activation: σ of the MLP, "silu" | "gelu" | "relu" or one added with
+        `cem_jax.energies.register_activation` (its antiderivative Φ is the MLP energy's).
       impl: "autodiff" (-jax.grad of the energy), "xla" (closed form) or "pallas" (closed
         form with tied attention in the fused Pallas kernel; interpret mode on CPU, slow);
         all agree.
@@ -106,7 +108,7 @@ class ModelConfig:
                      "preconditioner_rank", "attention_block"):
             require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
                      getattr(self, name), "a positive integer")
-        for name, allowed in (("activation", ACTIVATIONS), ("interaction", INTERACTIONS),
+        for name, allowed in (("activation", tuple(ACTIVATIONS)), ("interaction", INTERACTIONS),
                               ("diagonal", DIAGONALS), ("preconditioner", PRECONDITIONERS),
                               ("position", POSITIONS), ("impl", IMPLS),
                               ("gradient_wrt", GRADIENT_WRT), ("dtype", DTYPES),

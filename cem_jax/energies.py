@@ -77,6 +77,23 @@ ACTIVATIONS: dict[str, Activation] = {
 }
 
 
+def register_activation(name: str, fn: Callable[[Array], Array],
+                        antiderivative: Callable[[Array], Array]) -> Activation:
+    """Make σ = `fn` with its antiderivative Φ = `antiderivative` (Φ' = σ, elementwise) a
+    model's `activation`: `ModelConfig(activation=name)` then builds CEM MLPs with the energy
+    -Σ_j (Wu c)_j Φ((Wg y)_j) and the update Wgᵀ(σ(Wg y) ⊙ Wu c) (DESIGN.md §1, §2: a new
+    energy gets its layer without new layer code). Autodiff of the energy uses `fn` as Φ'
+    (as for the built-in ones), so check Φ' = σ yourself, e.g. against `jax.grad`.
+
+    Returns the `Activation`. Raises `ValueError` if `name` is already registered. Registered
+    activations live in this process only: exported Hugging Face models know silu, gelu, relu.
+    """
+    if name in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is already registered; pick another name")
+    ACTIVATIONS[name] = Activation(name, fn, _with_derivative(antiderivative, fn))
+    return ACTIVATIONS[name]
+
+
 def get_activation(name: str) -> Activation:
     """The activation called `name`; raises `ValueError` listing the known ones."""
     if name not in ACTIVATIONS:

@@ -6,17 +6,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rotation_matrix
+from flax import nnx
+from helpers import assert_close_to_scale, rotation_matrix
 from scipy import integrate, special
 
+from cem_jax.config import ModelConfig
 from cem_jax.energies import (
     ACTIVATIONS,
     AttentionSpec,
     attention_energy,
     get_activation,
     mlp_energy,
+    register_activation,
     rope,
 )
+from cem_jax.model import CEMTransformer
+from cem_jax.updates import tied_mlp_mixer
 
 SIGMA = {
     "silu": lambda a: a * special.expit(a),
@@ -135,3 +140,27 @@ def test_mlp_energy_matches_formula(name):
     got = mlp_energy(jax.tree.map(jnp.float32, params), jnp.float32(y), jnp.float32(c),
                      activation=get_activation(name))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_registered_activation_becomes_a_model_layer():
+    """A new σ with its antiderivative, registered by name, builds a CEM MLP whose update is the
+    -∇ of its energy (the closed form uses σ = tanh, the energy Φ = log cosh)."""
+    name = "logcosh_test"
+    if name not in ACTIVATIONS:
+        register_activation(name, jnp.tanh, lambda a: jnp.logaddexp(a, -a) - jnp.log(2.0))
+    with pytest.raises(ValueError, match="already registered"):
+        register_activation(name, jnp.tanh, jnp.cosh)
+    cfg = ModelConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=2, mlp_dim=12,
+                      activation=name)
+    mlp = CEMTransformer(cfg, rngs=nnx.Rngs(0)).blocks.mlp
+    params = {"gate": jax.random.normal(jax.random.PRNGKey(1), (8, 12)),
+              "up": jax.random.normal(jax.random.PRNGKey(2), (8, 12))}
+    y, c = jax.random.normal(jax.random.PRNGKey(3), (2, 1, 5, 8))
+    mixer = tied_mlp_mixer(params, mlp.mixer.activation)
+    def energy(y):  # E(y | c) = -Σ_j (Wu c)_j log cosh((Wg y)_j), summed over tokens
+        return -jnp.sum((c @ params["up"]) * jnp.log(jnp.cosh(y @ params["gate"])))
+
+    assert_close_to_scale(mixer.direction(y, mixer.prepare(c)), -jax.grad(energy)(y), 1e-5)
+    assert_close_to_scale(jnp.sum(mixer.energy(y, c)), energy(y), 1e-5)
+    with pytest.raises(ValueError, match="activation"):
+        ModelConfig(activation="not_registered")

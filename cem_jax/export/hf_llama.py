@@ -42,6 +42,9 @@ def llama_incompatibility(cfg: ModelConfig) -> str | None:
         reasons.append("gradient_wrt='residual' (the update goes through the RMSNorm VJP)")
     if cfg.position != "rope":
         reasons.append("position='none' (a Hugging Face Llama always applies RoPE)")
+    if cfg.activation not in ACTIVATIONS:
+        reasons.append(f"activation={cfg.activation!r} (registered in this process; "
+                       "transformers has no such activation)")
     if not reasons:
         return None
     return ("the hf-llama format expresses only the Llama baseline; this model has "
