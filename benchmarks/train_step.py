@@ -2,10 +2,13 @@
 
 The full compiled train step (forward, backward, clipping, AdamW) of the `make train` model,
 fully tied CEM vs its untied Llama twin (same D, L, H, F, batch): tokens/s, their ratio (target:
-tied ≥ 1.0× Llama), and MFU against a jitted fp32 matmul measured in the same run (target: Llama
-≥ 40% of it). FLOPs per token: `cem_jax.train.metrics.flops_per_token` (formula in its module).
+tied ≥ 1.0× Llama), and MFU (target: Llama ≥ 40%) against the peak of
+`cem_jax.train.metrics.peak_flops`: on CPU a jitted fp32 matmul measured in the same run, on a
+known accelerator its bf16 peak from the table. FLOPs per token:
+`cem_jax.train.metrics.flops_per_token` (formula in its module).
 
 Run: `python benchmarks/train_step.py [--config configs/shakespeare_cem.yaml] [key=value ...]`
+(on one GPU, e.g. `--config configs/cem_full_100m.yaml data.batch_size=32`).
 """
 
 import argparse
@@ -15,7 +18,7 @@ import numpy as np
 from timing import median_times
 
 from cem_jax.train.config import load_config
-from cem_jax.train.metrics import flops_per_token, measure_matmul_peak
+from cem_jax.train.metrics import flops_per_token, peak_flops
 from cem_jax.train.sharding import global_batch, make_mesh
 from cem_jax.train.step import Trainer
 
@@ -52,11 +55,11 @@ def main():
              "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1))}
     times = median_times({name: step_fn(cfg, batch) for name, cfg in configs.items()},
                          args.repeats)
-    peak = measure_matmul_peak()
+    peak, source = peak_flops(None)
     m = configs["tied CEM"].model
     print(f"train step, B={B}, T={T}, D={m.d_model}, L={m.num_layers}, H={m.num_heads}, "
-          f"F={m.mlp_dim}, V={V}, {jax.device_count()} {jax.devices()[0].platform} device(s); "
-          f"measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s")
+          f"F={m.mlp_dim}, V={V}, {m.dtype} compute, {jax.device_count()} "
+          f"{jax.devices()[0].device_kind} device(s); peak {peak / 1e9:,.0f} GFLOP/s ({source})")
     tps = {}
     for name, cfg in configs.items():
         tps[name] = B * T / times[name]
@@ -67,7 +70,7 @@ def main():
     ratio = tps["tied CEM"] / tps["Llama twin"]
     mfu = flops_per_token(configs["Llama twin"].model, T) * tps["Llama twin"] / peak
     print(f"tokens/s tied / Llama: {ratio:.2f}x (target >= 1.0)   "
-          f"Llama MFU: {mfu:.1%} of the measured peak (target >= 40%)")
+          f"Llama MFU: {mfu:.1%} of the peak (target >= 40%)")
 
 
 if __name__ == "__main__":
