@@ -195,7 +195,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Return a copy of nested `values` with `section.key=value` overrides applied.
 
-    Values are parsed as YAML scalars (`2` → int, `false` → bool, `null` → None).
+    Values are parsed as YAML scalars (`2` → int, `false` → bool, `null` → None); a value that
+    YAML reads as anything else (`KING:` a mapping, `2024-01-01` a date, `*.txt` an alias, `[x`
+    an error) is kept as the string given.
     Raises `ValueError` for a string without `=` or a path through a non-mapping.
     """
     out = yaml.safe_load(yaml.safe_dump(values))  # deep copy of plain data
@@ -209,8 +211,17 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
-        node[leaf] = yaml.safe_load(raw)
+        node[leaf] = _scalar(raw)
     return out
+
+
+def _scalar(raw: str) -> Any:
+    """`raw` as a YAML scalar (str, int, float, bool or None), else the string itself."""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    return value if value is None or isinstance(value, str | int | float | bool) else raw
 
 
 def load_model_config(path: str | Path | None = None, overrides: list[str] = ()) -> ModelConfig:

@@ -127,13 +127,17 @@ for n in MAX_RESTARTS MAX_WAITS POLL_INTERVAL RETRY_DELAY; do
 done
 BUCKET=${BUCKET#gs://}
 BUCKET=${BUCKET%/}
+[[ $BUCKET != */* ]] || die "--bucket takes a bucket name, not a path ('$BUCKET'); give" \
+  "--bucket ${BUCKET%%/*} --run-dir /mnt/${BUCKET%%/*}/${BUCKET#*/}"
 if [[ -n $BUCKET ]]; then
   MOUNT=${MOUNT:-/mnt/$BUCKET}
   RUN_DIR=${RUN_DIR:-$MOUNT/runs/$NAME}
 fi
 [[ -n $RUN_DIR ]] || die "give --run-dir (a shared, persistent path on the workers) or --bucket"
 if [[ $RUN_DIR == gs://* ]]; then
-  die "run.dir is a local path for cem_jax; mount the bucket instead: --bucket ${RUN_DIR#gs://}"
+  gcs=${RUN_DIR#gs://}
+  die "run.dir is a local path for cem_jax; mount the bucket instead: --bucket ${gcs%%/*}" \
+    "--run-dir /mnt/${gcs%%/*}${gcs#"${gcs%%/*}"}"
 fi
 if [[ $RUN_DIR != /* ]]; then
   say "warning: run.dir '$RUN_DIR' is on the workers' boot disks: not shared between" \

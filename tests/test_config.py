@@ -39,6 +39,11 @@ def test_yaml_with_overrides(tmp_path):
     assert apply_overrides({"a": {"b": 1}}, ["a.c=null", "d.e=x=y"]) == \
         {"a": {"b": 1, "c": None}, "d": {"e": "x=y"}}
     assert load_model_config(None, ["norm_eps=1e-6", "rope_theta=500000"]).norm_eps == 1e-6
+    # What YAML would read as a mapping, a date, an alias or a syntax error stays the string.
+    got = apply_overrides({}, ["r.prompt=KING:", "r.dir=2024-01-01", "d.corpus=*.txt",
+                               "r.x=[oops", "r.n=3", "r.f=2.5", "r.b=false"])
+    assert got == {"r": {"prompt": "KING:", "dir": "2024-01-01", "x": "[oops", "n": 3,
+                         "f": 2.5, "b": False}, "d": {"corpus": "*.txt"}}
 
 
 def test_yaml_errors_are_clear(tmp_path):

@@ -123,6 +123,7 @@ class RunConfig:
 
     def __post_init__(self):
         check_field_types(self)
+        require(self.dir.strip() != "", "dir", self.dir, "a non-empty path")
         for name in ("steps", "log_every", "eval_every", "checkpoint_every",
                      "keep_checkpoints"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")

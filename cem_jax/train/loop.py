@@ -100,6 +100,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
     resume_step = checkpointer.latest_step()
     tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
+    if _has_validation(cfg):  # a bad validation corpus fails now, not after training
+        load_tokens(cfg.data, tokenizer, "validation")
     if lead:
         save_config(cfg, run_dir / "config.yaml")
     trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh, cfg.run.debug_nan_step)

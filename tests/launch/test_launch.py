@@ -371,7 +371,10 @@ def test_tpu_dry_run_prints_the_commands_and_runs_nothing(fake_tpu):
 @pytest.mark.parametrize("args, message", [
     (["--run-dir", "/r"], "the zone is required"),
     (["--zone", "z"], "give --run-dir"),
-    (["--zone", "z", "--run-dir", "gs://b/run"], "mount the bucket instead: --bucket b/run"),
+    (["--zone", "z", "--run-dir", "gs://b/run"],
+     "mount the bucket instead: --bucket b --run-dir /mnt/b/run"),
+    (["--zone", "z", "--bucket", "gs://b/runs"],
+     "a bucket name, not a path ('b/runs'); give --bucket b --run-dir /mnt/b/runs"),
     (["--zone", "z", "--run-dir", "/r", "--max-restarts", "x"], "MAX_RESTARTS must be"),
     (["--zone", "z", "--run-dir", "/r", "oops"], "neither an option nor"),
 ])

@@ -80,10 +80,21 @@ def test_no_weight_decay_on_norms_diagonals_and_preconditioners():
     ("optimizer.lr=0", "'lr'"), ("mesh.tensor=0", "'tensor'"), ("run.steps=0", "'steps'"),
     ("run.stepz=3", "'stepz'"), ("model.vocab_size=512", "vocab_size"),
     ("optimizer.accumulation_steps=5", "accumulation_steps"), ("runs.steps=1", "runs"),
+    ("run.dir=", "'dir'"),
 ])
 def test_bad_config_is_named(override, field, capsys):
     assert main(["--config", "configs/shakespeare_cem.yaml", override]) == 2
     assert field in capsys.readouterr().err
+
+
+def test_missing_validation_corpus_fails_before_training(tiny_overrides, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    missing = tmp_path / "no_such_val.txt"
+    args = [*tiny_overrides, f"run.dir={run_dir}", f"data.val_corpus={missing}"]
+    assert main(args) == 1
+    assert str(missing) in capsys.readouterr().err
+    assert not (run_dir / "metrics.jsonl").exists()  # no step was taken
+    assert not list((run_dir / "checkpoints").glob("*"))
 
 
 def test_flops_of_the_llama_twin_follow_palm_and_tying_saves_the_values():
