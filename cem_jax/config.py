@@ -181,10 +181,14 @@ def _as_float(value: Any) -> Any:
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file into a dict; raises `FileNotFoundError`/`ValueError` clearly."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {str(path)!r} is a directory; give a YAML file in it")
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text: {err}") from err
     except yaml.YAMLError as err:
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from err
     if not isinstance(values, dict):

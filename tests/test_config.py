@@ -49,6 +49,11 @@ def test_yaml_with_overrides(tmp_path):
 def test_yaml_errors_are_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_model_config(tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match="is a directory"):
+        load_model_config(tmp_path)
+    (tmp_path / "binary.yaml").write_bytes(b"\xd0\xff\x00")
+    with pytest.raises(ValueError, match="binary.yaml' is not UTF-8 text"):
+        load_model_config(tmp_path / "binary.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  d_modle: 64\n")
     with pytest.raises(ValueError, match="unknown config field 'd_modle'.*did you mean 'd_model'"):
