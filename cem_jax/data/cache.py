@@ -29,14 +29,23 @@ class CacheError(ValueError):
     """A cache file exists but must not be used; the message says why."""
 
 
+def umask_mode(mode: int) -> int:
+    """`mode` less the process umask: the permissions `open` or `mkdir` would give (tempfile
+    creates files 0600 and folders 0700, unreadable to others on a shared cluster)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
     """Open a temporary file beside `path` for binary writing; on success fsync and rename it
-    to `path`, on error delete it."""
+    to `path` (with the permissions a plain `open` would give), on error delete it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, umask_mode(0o666))
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()

@@ -5,10 +5,13 @@ directory carries the marker file `MARKER`."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from cem_jax.data.cache import umask_mode
 
 MARKER = ".cem_jax_output"
 
@@ -53,6 +56,7 @@ def staged_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     out = check_destination(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    os.chmod(stage, umask_mode(0o777))  # as a plain mkdir would make it
     try:
         yield stage
         (stage / MARKER).write_text("written by cem_jax; `--overwrite` may replace this folder\n")

@@ -2,12 +2,14 @@
 used when truncated or corrupted."""
 
 import os
+import stat
 
 import numpy as np
 import pytest
 
 from cem_jax.data import load_tokenizer, load_tokens, train_tokenizer
-from cem_jax.data.cache import HEADER_BYTES, CacheError, read_tokens
+from cem_jax.data.cache import HEADER_BYTES, CacheError, atomic_file, read_tokens
+from cem_jax.export.output import staged_dir
 
 
 def expected_stream(tokenizer, texts):
@@ -90,3 +92,17 @@ def test_no_temporary_files_are_left(small_cfg):
     cfg = small_cfg()
     data = load_tokens(cfg, load_tokenizer(cfg.tokenizer), "validation")
     assert sorted(p.name for p in data.path.parent.iterdir()) == [data.path.name]
+
+
+def test_written_files_and_folders_get_the_umask_permissions(tmp_path):
+    """Not tempfile's 0600/0700: run directories and exports are shared on clusters."""
+    old = os.umask(0o022)
+    try:
+        with atomic_file(tmp_path / "tokenizer.model") as f:
+            f.write(b"x")
+        with staged_dir(tmp_path / "export") as stage:
+            (stage / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "tokenizer.model").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "export").stat().st_mode) == 0o755
