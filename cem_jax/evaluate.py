@@ -37,12 +37,15 @@ def evaluate_run(run: Run, text: str | None = None, corpus: str = "validation",
     data = run.config.data
     if text is not None:
         data, corpus = dataclasses.replace(data, val_corpus=text), "validation"
+    elif corpus == "validation" and data.val_corpus is None and data.corpus != "shakespeare":
+        raise ValueError(f"{run.directory} was trained on {data.corpus!r} without a validation "
+                         "split: evaluate a text instead (cem-eval --text FILE)")
     mesh = make_mesh(MeshConfig(data=-1), jax.local_devices())
     trainer = Trainer(run.config.model, run.config.optimizer, run.config.run.steps, mesh)
     batches = make_eval_batches(data, run.tokenizer, corpus)
     stats = load_tokens(data, run.tokenizer, corpus).stats
     loss_sum = weight_sum = 0.0
-    with tqdm(total=stats.tokens, unit="tok", desc=f"evaluating {corpus}",
+    with tqdm(total=stats.tokens, unit="tok", desc=f"evaluating {text or corpus}",
               disable=not progress, dynamic_ncols=True) as bar:
         for batch in batches:
             loss, weight = jax.device_get(trainer.eval_step(run.params, global_batch(batch,

@@ -3,6 +3,7 @@ errors for corrupt or partial checkpoints and formats that cannot express a mode
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -57,6 +58,14 @@ def test_cem_eval_on_a_text_file(make_run, tmp_path, capsys):
     assert evaluate.main(["--run", str(run_dir), "--text", str(tmp_path / "doc.txt"),
                           "--no-progress"]) == 0
     assert f"loss {result['loss']:.4f} nats/token" in capsys.readouterr().out
+
+
+def test_cem_eval_of_a_run_without_validation_asks_for_a_text(make_run):
+    run = load_run(make_run(**CEM)[0])
+    run.config = dataclasses.replace(
+        run.config, data=dataclasses.replace(run.config.data, val_corpus=None))
+    with pytest.raises(ValueError, match="without a validation split.*--text FILE"):
+        evaluate.evaluate_run(run, progress=False)
 
 
 def test_cem_export_every_format(make_run, tmp_path):
