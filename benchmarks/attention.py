@@ -13,7 +13,7 @@
    (q, k, v) of the same shape, at B=4, T=4096, H=16, K=128, bf16, causal; and the kernel's
    forward TFLOP/s against the chip's bf16 peak (H200: 989 TFLOP/s dense).
 
-Run: `python benchmarks/attention.py [--memory-only] [--max-t 8192] [--sweep]`.
+Run: `python benchmarks/attention.py [--memory-only | --speed-only] [--max-t 8192] [--sweep]`.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ def speed(B=4, T=4096, H=16, K=128, sweep=False):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory-only", action="store_true")
+    parser.add_argument("--speed-only", action="store_true", help="skip the memory curves")
     parser.add_argument("--sweep", action="store_true",
                         help="also time the kernel with other block sizes (GPU/TPU)")
     parser.add_argument("--max-t", type=int, default=None,
@@ -147,8 +148,8 @@ def main():
     backend = jax.default_backend()
     print(f"jax {jax.__version__} on {backend} ({platform.machine()}), "
           f"device {jax.devices()[0].device_kind}")
-    max_t = args.max_t or 16384
-    memory_curves(max_t)
+    if not args.speed_only:
+        memory_curves(args.max_t or 16384)
     if backend in ("gpu", "tpu") and not args.memory_only:
         speed(sweep=args.sweep)
     elif not args.memory_only:

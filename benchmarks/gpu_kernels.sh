@@ -17,11 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${TEST_TIMEOUT:-300}" "$py" -m pytest -q \
   -p no:cacheprovider tests/kernels -k "not interpret and not tpu_interpreter" --durations=8 \
   2>&1 | tee "$out/kernel_tests_gpu.txt"
-if [ "${SPEED_ONLY:-0}" = 1 ]; then
-  (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" "$py" -c \
-    'import jax, attention; print("jax", jax.__version__); attention.speed(sweep=True)') 2>&1 \
-    | tee "$out/attention_gpu.txt"
-else
-  timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/attention.py --sweep 2>&1 \
-    | tee "$out/attention_gpu.txt"
-fi
+only=()
+if [ "${SPEED_ONLY:-0}" = 1 ]; then only=(--speed-only); fi
+timeout "${BENCH_TIMEOUT:-300}" "$py" benchmarks/attention.py --sweep "${only[@]}" 2>&1 \
+  | tee "$out/attention_gpu.txt"

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cem_jax.train.config import TrainConfig, load_config
+from cem_jax.train.dry_run import param_counts as abstract_param_counts
 
 PARTS = ("embedding", "attention", "mlp", "norm", "preconditioner", "head", "total")
 END = "<!-- end of cem-compare output: text below this line is kept on rewrite -->"
@@ -95,12 +96,8 @@ def train_one(stem: str, path: str, run_args: list[str], cfg: TrainConfig) -> di
 
 
 def param_counts(cfg: TrainConfig) -> dict[str, int]:
-    """`count_params` of the config's model, built abstractly (no arrays allocated)."""
-    from flax import nnx
-
-    from cem_jax.model import CEMTransformer, count_params
-
-    counts = count_params(nnx.eval_shape(lambda: CEMTransformer(cfg.model, rngs=nnx.Rngs(0))))
+    """The config's parameter counts by part (every part of `PARTS`, 0 when absent)."""
+    counts = abstract_param_counts(cfg.model)
     return {part: counts.get(part, 0) for part in PARTS}
 
 

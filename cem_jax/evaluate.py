@@ -37,7 +37,7 @@ def evaluate_run(run: Run, text: str | None = None, corpus: str = "validation",
     data = run.config.data
     if text is not None:
         data, corpus = dataclasses.replace(data, val_corpus=text), "validation"
-    elif corpus == "validation" and data.val_corpus is None and data.corpus != "shakespeare":
+    elif corpus == "validation" and not data.has_validation:
         raise ValueError(f"{run.directory} was trained on {data.corpus!r} without a validation "
                          "split: evaluate a text instead (cem-eval --text FILE)")
     mesh = make_mesh(MeshConfig(data=-1), jax.local_devices())

@@ -49,6 +49,12 @@ class DataConfig:
     def __post_init__(self):
         self.validate()
 
+    @property
+    def has_validation(self) -> bool:
+        """Whether there is a validation split: the held-out works of the default corpus, or
+        `val_corpus`."""
+        return self.corpus == "shakespeare" or self.val_corpus is not None
+
     def validate(self) -> None:
         """Raise `ValueError` naming the first field that is out of range."""
         require(isinstance(self.corpus, str) and self.corpus.strip() != "", "corpus",

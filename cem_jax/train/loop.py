@@ -100,7 +100,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
     resume_step = checkpointer.latest_step()
     tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
-    if _has_validation(cfg):  # a bad validation corpus fails now, not after training
+    if cfg.data.has_validation:  # a bad validation corpus fails now, not after training
         load_tokens(cfg.data, tokenizer, "validation")
     if lead:
         save_config(cfg, run_dir / "config.yaml")
@@ -124,7 +124,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             _say(lead, f"stopped by a signal at step {step}; checkpoint saved in "
                        f"{checkpointer.directory}")
             return summary
-        if _has_validation(cfg):
+        if cfg.data.has_validation:
             summary["eval"] = evaluate(cfg, trainer, state["params"], tokenizer, mesh)
             writer.write(step, "eval", summary["eval"])
             _say(lead, f"validation after {step} steps: {_describe(summary['eval'])}")
@@ -182,7 +182,7 @@ def _loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer, stop, 
                 if window_steps else {}
             writer.write(step, "train", {**metrics, "lr": float(lr(step - 1)), **speed})
             window_start, window_steps = time.perf_counter(), 0
-        if step % run.eval_every == 0 and step < run.steps and _has_validation(cfg):
+        if step % run.eval_every == 0 and step < run.steps and cfg.data.has_validation:
             result = evaluate(cfg, trainer, state["params"], tokenizer, mesh)
             writer.write(step, "eval", result)
             _say(lead, f"step {step}: validation {_describe(result)}")
@@ -243,10 +243,6 @@ def _run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool) -> Tokenizer:
 def _describe(result: dict[str, float]) -> str:
     return (f"loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.2f}, "
             f"bits per byte {result['bits_per_byte']:.4f}")
-
-
-def _has_validation(cfg: TrainConfig) -> bool:
-    return cfg.data.corpus == "shakespeare" or cfg.data.val_corpus is not None
 
 
 def _say(lead: bool, message: str) -> None:
