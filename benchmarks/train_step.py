@@ -3,22 +3,26 @@
 The full compiled train step (forward, backward, clipping, AdamW) of the `make train` model,
 fully tied CEM vs its untied Llama twin (same D, L, H, F, batch): tokens/s, their ratio (target:
 tied ≥ 1.0× Llama), and MFU (target: Llama ≥ 40%) against the peak of
-`cem_jax.train.metrics.peak_flops`: on CPU a jitted fp32 matmul measured in the same run, on a
-known accelerator its bf16 peak from the table. FLOPs per token:
+`cem_jax.train.metrics.peak_flops`: on CPU the jitted fp32 matmul of `matmul_peak_probe`, timed
+interleaved with the train steps (so the machine's noise falls on both alike), on a known
+accelerator its bf16 peak from the table. FLOPs per token:
 `cem_jax.train.metrics.flops_per_token` (formula in its module).
 
-Run: `python benchmarks/train_step.py [--config configs/shakespeare_cem.yaml] [key=value ...]`
+Run it as `make bench` does, with the Makefile's GLIBC_TUNABLES (malloc huge pages: fewer page
+faults on XLA's per-step buffers; the script prints the setting it ran with):
+`python benchmarks/train_step.py [--config configs/shakespeare_cem.yaml] [key=value ...]`
 (on one GPU, e.g. `--config configs/cem_full_100m.yaml data.batch_size=32`).
 """
 
 import argparse
+import os
 
 import jax
 import numpy as np
 from timing import median_times
 
 from cem_jax.train.config import load_config
-from cem_jax.train.metrics import flops_per_token, peak_flops
+from cem_jax.train.metrics import flops_per_token, matmul_peak_probe, peak_flops
 from cem_jax.train.sharding import global_batch, make_mesh
 from cem_jax.train.step import Trainer
 
@@ -53,13 +57,19 @@ def main():
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "segment_ids": np.ones((B, T), np.int32),
              "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1))}
-    times = median_times({name: step_fn(cfg, batch) for name, cfg in configs.items()},
-                         args.repeats)
-    peak, source = peak_flops(None)
+    fns = {name: step_fn(cfg, batch) for name, cfg in configs.items()}
+    if jax.default_backend() == "cpu":
+        fns["peak"], probe_flops = matmul_peak_probe()
+    times = median_times(fns, args.repeats)
+    if "peak" in times:
+        peak, source = probe_flops / times["peak"] * jax.process_count(), "fp32 matmul, same run"
+    else:
+        peak, source = peak_flops(None)
     m = configs["tied CEM"].model
     print(f"train step, B={B}, T={T}, D={m.d_model}, L={m.num_layers}, H={m.num_heads}, "
           f"F={m.mlp_dim}, V={V}, {m.dtype} compute, {jax.device_count()} "
-          f"{jax.devices()[0].device_kind} device(s); peak {peak / 1e9:,.0f} GFLOP/s ({source})")
+          f"{jax.devices()[0].device_kind} device(s); peak {peak / 1e9:,.0f} GFLOP/s ({source}); "
+          f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset: make bench sets it)')}")
     tps = {}
     for name, cfg in configs.items():
         tps[name] = B * T / times[name]

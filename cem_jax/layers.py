@@ -20,6 +20,7 @@ from cem_jax.config import ModelConfig
 from cem_jax.energies import AttentionSpec, get_activation
 from cem_jax.updates import (
     Mixer,
+    fold_preconditioner,
     llama_attention_mixer,
     precondition,
     run_steps,
@@ -104,8 +105,12 @@ class Attention(nnx.Module):
                 ((D,), ("embed",))
             self.diag = param(None, shape, axes, value=0.0, dtype=dt)
 
-    def mixer(self, positions: Array | None, segment_ids: Array | None, dtype) -> Mixer:
+    def mixer(self, positions: Array | None, segment_ids: Array | None, dtype,
+              out_scale: Array | None = None) -> Mixer:
+        """The sub-layer's `Mixer`; `out_scale` folds a preconditioner into the output (tied)."""
         params = _values(self, ("query", "key", "value", "out", "diag"), dtype)
+        if out_scale is not None:
+            params["out_scale"] = out_scale.astype(dtype)
         if self.tied:
             return tied_attention_mixer(params, self.spec, positions, segment_ids, impl=self.impl)
         return llama_attention_mixer(params, self.spec, positions, segment_ids)
@@ -124,9 +129,13 @@ class MLP(nnx.Module):
         if not self.tied:
             self.down = param(rngs, (F, D), ("mlp", "embed"), std=std, dtype=dt)
 
-    def mixer(self, positions: Array | None, segment_ids: Array | None, dtype) -> Mixer:
+    def mixer(self, positions: Array | None, segment_ids: Array | None, dtype,
+              out_scale: Array | None = None) -> Mixer:
+        """The sub-layer's `Mixer`; `out_scale` folds a preconditioner into the output."""
         del positions, segment_ids  # token-wise
         params = _values(self, ("gate", "up", "down"), dtype)
+        if out_scale is not None:
+            params["out_scale"] = out_scale.astype(dtype)
         return (tied_mlp_mixer if self.tied else swiglu_mixer)(params, self.activation)
 
 
@@ -148,6 +157,12 @@ class Preconditioner(nnx.Module):
     def __call__(self, u: Array) -> Array:
         return precondition(self.kind, _values(self, ("rho", "U"), jnp.float32), u)
 
+    def folded(self, cfg: ModelConfig) -> Array | None:
+        """P's diagonal to fold into the mixer's output projection, or None
+        (`updates.fold_preconditioner`)."""
+        return fold_preconditioner(self.kind, _values(self, ("rho",), jnp.float32), cfg.impl,
+                                   cfg.gradient_wrt)
+
 
 class SubLayer(nnx.Module):
     """Norm + mixer (attention or MLP) + preconditioner, run for `cfg.steps` CEM steps."""
@@ -160,10 +175,17 @@ class SubLayer(nnx.Module):
 
     def __call__(self, x: Array, positions: Array | None = None,
                  segment_ids: Array | None = None, *, monitor: bool = False):
-        """x [B,T,D] → (x after the steps [B,T,D], energies [steps,2,B,T] or None)."""
+        """x [B,T,D] → (x after the steps [B,T,D], energies [steps,2,B,T] or None).
+
+        A scalar or diagonal P is folded into the mixer's output projection where that is
+        exact (`updates.fold_preconditioner`): the same update, computed on weights.
+        """
         cfg = self.cfg
-        return run_steps(x, self.mixer.mixer(positions, segment_ids, x.dtype),
-                         norm_scale=self.norm.scale[...], eps=self.norm.eps, precond=self.precond,
+        out_scale = self.precond.folded(cfg)
+        mixer = self.mixer.mixer(positions, segment_ids, x.dtype, out_scale)
+        precond = self.precond if out_scale is None else lambda u: u
+        return run_steps(x, mixer,
+                         norm_scale=self.norm.scale[...], eps=self.norm.eps, precond=precond,
                          steps=cfg.steps, impl=cfg.impl, gradient_wrt=cfg.gradient_wrt,
                          recompute_context=cfg.recompute_context, monitor=monitor)
 

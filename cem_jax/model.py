@@ -16,7 +16,7 @@ from flax import nnx
 
 from cem_jax.config import ModelConfig
 from cem_jax.layers import BATCH_AXES, Block, RMSNorm, constrain, param
-from cem_jax.updates import rms_norm
+from cem_jax.updates import dense, rms_norm
 
 Array = jax.Array
 
@@ -84,8 +84,7 @@ class CEMTransformer(nnx.Module):
             energies = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         h = rms_norm(x, self.final_norm.scale[...], cfg.norm_eps)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype),
-                            preferred_element_type=jnp.float32)
+        logits = dense(h, head.astype(h.dtype), preferred_element_type=jnp.float32)
         logits = constrain(logits, BATCH_AXES, None, "tensor")
         return (logits, energies) if return_energies else logits
 

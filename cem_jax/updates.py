@@ -64,18 +64,46 @@ def rms_norm_vjp(x: Array, scale: Array, eps: float, v: Array) -> Array:
 # ----------------------------------------------------------------------------------------------
 
 
+def dense(x: Array, w: Array, **kwargs) -> Array:
+    """x [..., D] @ w [D, N] → [..., N] as one 2-D matmul over the flattened leading axes.
+
+    The same product as `x @ w`, but on CPU XLA lays out the backward of a 3-D `[B,T,D] @
+    [D,N]` with slow transposing copies of the [B,T,N] gradient; the 2-D form made the train
+    step of the `make train` model 1.3x faster (benchmarks/train_step.py). kwargs go to
+    `jnp.matmul` (e.g. preferred_element_type).
+    """
+    return jnp.matmul(x.reshape(-1, x.shape[-1]), w, **kwargs).reshape(*x.shape[:-1], -1)
+
+
 def _split_heads(x: Array, w: Array) -> Array:
     """Project x [B,T,D] with w [D,N,K] to heads-major [B,N,T,K] (one 2-D matmul, then a
     transpose: faster on CPU than a direct einsum into that layout)."""
     B, T, _ = x.shape
     D, N, K = w.shape
-    return (x @ w.reshape(D, N * K)).reshape(B, T, N, K).transpose(0, 2, 1, 3)
+    return dense(x, w.reshape(D, N * K)).reshape(B, T, N, K).transpose(0, 2, 1, 3)
 
 
 def _merge_heads(o: Array, w: Array) -> Array:
     """Σ_n W_n o_n: heads-major o [B,N,T,K] with w [D,N,K] back to [B,T,D]."""
     B, N, T, K = o.shape
-    return o.transpose(0, 2, 1, 3).reshape(B, T, N * K) @ w.reshape(-1, N * K).T
+    return dense(o.transpose(0, 2, 1, 3).reshape(B, T, N * K), w.reshape(-1, N * K).T)
+
+
+def _merge_heads_unrotated(o: Array, w: Array, tables: tuple[Array, Array] | None) -> Array:
+    """Σ_n W_n R_tᵀ o_n (`_merge_heads` of the un-rotated o) without rotating o itself.
+
+    R_tᵀ o = o ⊙ [cos, cos] + (P o) ⊙ [sin, sin] with P o = [o₂, -o₁] (the halves of K), and
+    W (P o ⊙ S) = (W P)(o ⊙ S) because S is the same on both halves: two projections of o
+    scaled element-wise, and the half swap moved onto the weights (W P = [-W₂, W₁]). On CPU
+    this is faster than rotating o, which XLA fuses into a slow transposing concatenation.
+    """
+    if tables is None:
+        return _merge_heads(o, w)
+    cos, sin = tables
+    w1, w2 = jnp.split(w, 2, axis=-1)
+    wp = jnp.concatenate([-w2, w1], axis=-1)
+    cos, sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
+    return _merge_heads(o * cos.astype(o.dtype), w) + _merge_heads(o * sin.astype(o.dtype), wp)
 
 
 def _rope_tables(positions: Array, spec: AttentionSpec) -> tuple[Array, Array] | None:
@@ -165,9 +193,15 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
     skip the keys after them. impl="pallas" runs the attention core through the fused kernel
     `cem_jax.kernels.tied_attention` (interpret mode on CPU); RoPE, its un-rotation, the DPLR
     concatenation and the output projection stay in XLA around it.
+
+    params may hold "out_scale" ([] or [D]): a scalar or diagonal preconditioner P folded into
+    the output projection, so that direction returns P·u (`fold_preconditioner`).
     """
     diag = params.get("diag")
     G = spec.num_kv_heads
+    out_scale = params.get("out_scale", 1.0)
+    out = params["query"] * jnp.reshape(out_scale, (-1, 1, 1)) if "out_scale" in params else \
+        params["query"]  # P Wq, the output projection [D,H,K]
 
     def prepare(c):
         B, T, _ = c.shape
@@ -190,11 +224,11 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
             o = _pallas_attention(q.reshape(B, spec.num_heads, T, -1), k, segment_ids, spec)
         else:
             o = _causal_attention(q, k, k, mask, spec).reshape(B, spec.num_heads, T, -1)
-        u = _merge_heads(_rotated(o[..., :K], tables, inverse=True), params["query"])  # Wq R_tᵀ o
-        if diag is not None and diag.ndim == 2:  # Σ_h d_h ⊙ (p_h @ c)
-            u = u + jnp.einsum("bhtd,hd->btd", o[..., K:], diag)
+        u = _merge_heads_unrotated(o[..., :K], out, tables)  # P Wq R_tᵀ o
+        if diag is not None and diag.ndim == 2:  # Σ_h P d_h ⊙ (p_h @ c)
+            u = u + jnp.einsum("bhtd,hd->btd", o[..., K:], diag * out_scale)
         elif diag is not None:
-            u = u + diag * o[..., K:].sum(axis=1)
+            u = u + diag * out_scale * o[..., K:].sum(axis=1)
         return u
 
     def energy(y, c):
@@ -218,8 +252,10 @@ def _pallas_attention(q: Array, k: Array, segment_ids: Array | None, spec: Atten
 def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | None,
                           segment_ids: Array | None) -> Mixer:
     """Untied Llama attention (the baseline): softmax(β q kᵀ) v Wo with free Wq [D,H,K],
-    Wk [D,G,K], Wv [D,G,K], Wo [H,K,D]; queries from y, keys/values from c. No energy."""
+    Wk [D,G,K], Wv [D,G,K], Wo [H,K,D]; queries from y, keys/values from c. No energy.
+    params["out_scale"] ([] or [D], `fold_preconditioner`) scales Wo's output: P·u."""
     G = spec.num_kv_heads
+    out = params["out"] * params.get("out_scale", 1.0)
 
     def prepare(c):
         B, T, _ = c.shape
@@ -233,7 +269,7 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
         B, T, _ = y.shape
         q = _rotated(_split_heads(y, params["query"]), tables)
         o = _causal_attention(q.reshape(B, G, -1, T, spec.head_dim), k, v, mask, spec)
-        return _merge_heads(o.reshape(B, spec.num_heads, T, -1), params["out"].transpose(2, 0, 1))
+        return _merge_heads(o.reshape(B, spec.num_heads, T, -1), out.transpose(2, 0, 1))
 
     return Mixer(prepare, direction, None)
 
@@ -244,14 +280,15 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
 
 
 def _gated_mixer(params: dict, activation: Activation, down: Array, energy) -> Mixer:
-    """u = Wdown(σ(Wg y) ⊙ Wu c) with `down` [F,D]; Wu c is computed once per sub-layer."""
+    """u = Wdown(σ(Wg y) ⊙ Wu c) with `down` [F,D]; Wu c is computed once per sub-layer. With
+    params["out_scale"] ([] or [D], `fold_preconditioner`) the direction is P·u."""
+    down = down * params.get("out_scale", 1.0)
 
     def prepare(c):
-        return jnp.einsum("btd,df->btf", c, params["up"])
+        return dense(c, params["up"])
 
     def direction(y, up):
-        gate = jnp.einsum("btd,df->btf", y, params["gate"])
-        return jnp.einsum("btf,fd->btd", activation.fn(gate) * up, down)
+        return dense(activation.fn(dense(y, params["gate"])) * up, down)
 
     return Mixer(prepare, direction, energy)
 
@@ -289,8 +326,22 @@ def precondition(kind: str, params: dict, u: Array) -> Array:
     out = jax.nn.softplus(params["rho"]).astype(u.dtype) * u
     if kind == "dplr":
         U = params["U"].astype(u.dtype)
-        out = out + jnp.einsum("btr,dr->btd", jnp.einsum("btd,dr->btr", u, U), U)
+        out = out + dense(dense(u, U), U.T)
     return out
+
+
+def fold_preconditioner(kind: str, params: dict, impl: str, gradient_wrt: str) -> Array | None:
+    """P's diagonal as fp32 [] (scalar) or [D] (diag) to fold into a mixer's output projection
+    (params["out_scale"]: `diag(s) W u` costs a [D,·] weight scaling instead of a [B,T,D]
+    product and its backward), or None where P cannot be folded: "none" and "dplr", the
+    autodiff oracle (its direction is -∇E, not a projection), and a diagonal P with
+    gradient_wrt="residual" (which does not commute with the RMSNorm VJP applied after).
+    """
+    if kind not in ("scalar", "diag") or impl == "autodiff":
+        return None
+    if kind == "diag" and gradient_wrt == "residual":
+        return None
+    return jax.nn.softplus(params["rho"].astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -54,31 +55,38 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> fl
     return float(forward * (3 if training else 1))
 
 
-def measure_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of one jitted fp32 n×n matmul on the default device (median of `repeats`)."""
+def matmul_peak_probe(n: int = 2048) -> tuple[Callable[[], jax.Array], float]:
+    """A zero-argument jitted fp32 n×n matmul on the default device and its FLOPs (2·n³): the
+    probe behind the measured CPU peak (benchmarks time it beside the train step)."""
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n))
     f = jax.jit(lambda x: x @ x)
-    jax.block_until_ready(f(a))
+    return lambda: f(a), 2.0 * n**3
+
+
+def measure_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of `matmul_peak_probe(n)` (median of `repeats` after a warm-up call)."""
+    probe, flops = matmul_peak_probe(n)
+    jax.block_until_ready(probe())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(f(a))
+        jax.block_until_ready(probe())
         times.append(time.perf_counter() - start)
-    return 2 * n**3 / float(np.median(times))
+    return flops / float(np.median(times))
 
 
 def peak_flops(configured: float | None) -> tuple[float, str]:
     """Peak FLOP/s of all devices and where the figure came from: `configured` if given, the
-    `PEAK_FLOPS` table for a known accelerator, else a matmul measured on the local device
-    (times the device count)."""
-    n = jax.device_count()
+    `PEAK_FLOPS` table for a known accelerator (times the device count), else a matmul measured
+    on the local CPU (times the process count: the host devices of one process, e.g. from
+    `--xla_force_host_platform_device_count`, share its cores)."""
     if configured is not None:
         return configured, "configured"
     kind = jax.devices()[0].device_kind
     for name, flops in PEAK_FLOPS.items():
         if name.lower() in kind.lower():
-            return flops * n, f"table ({name} bf16)"
-    return measure_matmul_peak() * n, "measured fp32 matmul"
+            return flops * jax.device_count(), f"table ({name} bf16)"
+    return measure_matmul_peak() * jax.process_count(), "measured fp32 matmul"
 
 
 class MetricsWriter:

@@ -51,7 +51,10 @@ def test_accumulation_of_4_micro_batches_equals_the_big_batch():
     batch = global_batch(_batch(np.random.default_rng(0), 16, 12, 320), mesh)
     results = []
     for accumulation in (1, 4):
-        opt = OptimizerConfig(lr=1e-2, warmup_steps=0, accumulation_steps=accumulation)
+        # Adam divides by √v, so the fp32 summation-order noise of a near-zero gradient entry
+        # moves its parameter by a fraction of lr: lr=1e-3 keeps that below the 1e-5 checked on
+        # the parameters (loss and gradient norm are compared directly).
+        opt = OptimizerConfig(lr=1e-3, warmup_steps=0, accumulation_steps=accumulation)
         trainer = Trainer(model, opt, 10, mesh)
         state = trainer.init(0)
         for _ in range(2):
