@@ -107,7 +107,7 @@ class Attention(nnx.Module):
 
     def mixer(self, positions: Array | None, segment_ids: Array | None, dtype,
               out_scale: Array | None = None) -> Mixer:
-        """The sub-layer's `Mixer`; `out_scale` folds a preconditioner into the output (tied)."""
+        """The sub-layer's `Mixer`; `out_scale` folds a preconditioner into the output (Wqᵀ/Wo)."""
         params = _values(self, ("query", "key", "value", "out", "diag"), dtype)
         if out_scale is not None:
             params["out_scale"] = out_scale.astype(dtype)

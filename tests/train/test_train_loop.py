@@ -3,6 +3,7 @@ big batch, the optimizer's decay mask, config errors and the FLOP formula."""
 
 import json
 import math
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 from cem_jax.config import ModelConfig
 from cem_jax.data import load_tokenizer, make_train_iterator
-from cem_jax.train import load_config, main, train
+from cem_jax.train import load_config, main, metrics, train
 from cem_jax.train.checkpoint import Checkpointer
 from cem_jax.train.config import MeshConfig, OptimizerConfig
 from cem_jax.train.metrics import flops_per_token
@@ -110,6 +111,17 @@ def test_flops_of_the_llama_twin_follow_palm_and_tying_saves_the_values():
     two_steps = ModelConfig(steps=2)  # the query side and the gate run twice
     assert flops_per_token(two_steps, T) - flops_per_token(ModelConfig(), T) == \
         3 * L * (4 * D * H * K + 4 * H * K * T + 4 * D * F)
+
+
+def test_cpu_peak_is_not_multiplied_by_host_devices(monkeypatch):
+    # Host devices (--xla_force_host_platform_device_count) share one process's cores: the
+    # measured matmul peak is already the machine's; a table peak counts every device.
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda: 100.0)
+    monkeypatch.setattr(jax, "device_count", lambda: 8)
+    assert metrics.peak_flops(None) == (100.0, "measured fp32 matmul")
+    monkeypatch.setattr(jax, "devices", lambda: [SimpleNamespace(device_kind="NVIDIA H200")])
+    assert metrics.peak_flops(None) == (8 * 989e12, "table (H200 bf16)")
+    assert metrics.peak_flops(5.0) == (5.0, "configured")
 
 
 def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, capsys):
