@@ -16,8 +16,8 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 TRAIN_CONFIG ?= configs/shakespeare_cem.yaml
 # glibc gives each train step's large XLA buffers fresh pages from the OS (page faults took a
-# fifth of the CPU time of the `make train` step); transparent huge pages for malloc cut that
-# (about 1.15x the train step's tokens/s, benchmarks/train_step.py). Ignored off glibc.
+# quarter of the CPU time of the `make train` step); transparent huge pages for malloc cut that
+# (about 1.2x the train step's tokens/s, benchmarks/train_step.py). Ignored off glibc.
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 ARGS ?=
 

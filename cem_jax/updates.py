@@ -69,7 +69,7 @@ def dense(x: Array, w: Array, **kwargs) -> Array:
 
     The same product as `x @ w`, but on CPU XLA lays out the backward of a 3-D `[B,T,D] @
     [D,N]` with slow transposing copies of the [B,T,N] gradient; the 2-D form made the train
-    step of the `make train` model 1.3x faster (benchmarks/train_step.py). kwargs go to
+    step of the `make train` model ~1.25x faster (benchmarks/train_step.py). kwargs go to
     `jnp.matmul` (e.g. preferred_element_type).
     """
     return jnp.matmul(x.reshape(-1, x.shape[-1]), w, **kwargs).reshape(*x.shape[:-1], -1)
@@ -87,23 +87,6 @@ def _merge_heads(o: Array, w: Array) -> Array:
     """Σ_n W_n o_n: heads-major o [B,N,T,K] with w [D,N,K] back to [B,T,D]."""
     B, N, T, K = o.shape
     return dense(o.transpose(0, 2, 1, 3).reshape(B, T, N * K), w.reshape(-1, N * K).T)
-
-
-def _merge_heads_unrotated(o: Array, w: Array, tables: tuple[Array, Array] | None) -> Array:
-    """Σ_n W_n R_tᵀ o_n (`_merge_heads` of the un-rotated o) without rotating o itself.
-
-    R_tᵀ o = o ⊙ [cos, cos] + (P o) ⊙ [sin, sin] with P o = [o₂, -o₁] (the halves of K), and
-    W (P o ⊙ S) = (W P)(o ⊙ S) because S is the same on both halves: two projections of o
-    scaled element-wise, and the half swap moved onto the weights (W P = [-W₂, W₁]). On CPU
-    this is faster than rotating o, which XLA fuses into a slow transposing concatenation.
-    """
-    if tables is None:
-        return _merge_heads(o, w)
-    cos, sin = tables
-    w1, w2 = jnp.split(w, 2, axis=-1)
-    wp = jnp.concatenate([-w2, w1], axis=-1)
-    cos, sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
-    return _merge_heads(o * cos.astype(o.dtype), w) + _merge_heads(o * sin.astype(o.dtype), wp)
 
 
 def _rope_tables(positions: Array, spec: AttentionSpec) -> tuple[Array, Array] | None:
@@ -172,7 +155,8 @@ class Mixer(NamedTuple):
     """One sub-layer's math on the variable y [B,T,D] and the fixed context c [B,T,D].
 
     prepare(c) -> context tensors computed once per sub-layer (keys, Wu c, ...);
-    direction(y, prepared) -> the update direction u [B,T,D] (closed form, no autodiff);
+    direction(y, prepared) -> the update direction u [B,T,D] (closed form, no autodiff), or
+      P·u when the mixer was built with a preconditioner folded in (params["out_scale"]);
     energy(y, c) -> per-token energy fp32 [B,T], or None for an untied (Llama) sub-layer.
     """
 
@@ -224,7 +208,7 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
             o = _pallas_attention(q.reshape(B, spec.num_heads, T, -1), k, segment_ids, spec)
         else:
             o = _causal_attention(q, k, k, mask, spec).reshape(B, spec.num_heads, T, -1)
-        u = _merge_heads_unrotated(o[..., :K], out, tables)  # P Wq R_tᵀ o
+        u = _merge_heads(_rotated(o[..., :K], tables, inverse=True), out)  # P Wq R_tᵀ o
         if diag is not None and diag.ndim == 2:  # Σ_h P d_h ⊙ (p_h @ c)
             u = u + jnp.einsum("bhtd,hd->btd", o[..., K:], diag * out_scale)
         elif diag is not None:
@@ -357,6 +341,8 @@ def run_steps(x0: Array, mixer: Mixer, *, norm_scale: Array, eps: float,
               monitor: bool = False) -> tuple[Array, Array | None]:
     """Apply one CEM sub-layer to the residual stream x0 [B,T,D]; returns (x_T, energies).
 
+    precond: u ↦ P·u (`precondition`), or the identity when P is already folded into the
+      mixer's output projection (`fold_preconditioner`, as `layers.SubLayer` does).
     impl: "xla" uses the closed form `mixer.direction`; "autodiff" uses -jax.grad of
       `mixer.energy` (untied mixers have no energy and always use their forward); "pallas"
       is the closed form too, with tied attention built with impl="pallas" (fused kernel).

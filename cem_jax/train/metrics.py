@@ -78,15 +78,16 @@ def measure_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
 def peak_flops(configured: float | None) -> tuple[float, str]:
     """Peak FLOP/s of all devices and where the figure came from: `configured` if given, the
     `PEAK_FLOPS` table for a known accelerator (times the device count), else a matmul measured
-    on the local CPU (times the process count: the host devices of one process, e.g. from
-    `--xla_force_host_platform_device_count`, share its cores)."""
+    on one local device: times the device count, or on CPU the process count (the host devices
+    of one process, e.g. from `--xla_force_host_platform_device_count`, share its cores)."""
     if configured is not None:
         return configured, "configured"
     kind = jax.devices()[0].device_kind
     for name, flops in PEAK_FLOPS.items():
         if name.lower() in kind.lower():
             return flops * jax.device_count(), f"table ({name} bf16)"
-    return measure_matmul_peak() * jax.process_count(), "measured fp32 matmul"
+    n = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()
+    return measure_matmul_peak() * n, "measured fp32 matmul"
 
 
 class MetricsWriter:

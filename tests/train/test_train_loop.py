@@ -115,10 +115,12 @@ def test_flops_of_the_llama_twin_follow_palm_and_tying_saves_the_values():
 
 def test_cpu_peak_is_not_multiplied_by_host_devices(monkeypatch):
     # Host devices (--xla_force_host_platform_device_count) share one process's cores: the
-    # measured matmul peak is already the machine's; a table peak counts every device.
+    # measured CPU matmul peak is already the machine's; accelerators count every device.
     monkeypatch.setattr(metrics, "measure_matmul_peak", lambda: 100.0)
     monkeypatch.setattr(jax, "device_count", lambda: 8)
     assert metrics.peak_flops(None) == (100.0, "measured fp32 matmul")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # an accelerator not in the table
+    assert metrics.peak_flops(None) == (800.0, "measured fp32 matmul")
     monkeypatch.setattr(jax, "devices", lambda: [SimpleNamespace(device_kind="NVIDIA H200")])
     assert metrics.peak_flops(None) == (8 * 989e12, "table (H200 bf16)")
     assert metrics.peak_flops(5.0) == (5.0, "configured")
