@@ -184,8 +184,7 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
     diag = params.get("diag")
     G = spec.num_kv_heads
     out_scale = params.get("out_scale", 1.0)
-    out = params["query"] * jnp.reshape(out_scale, (-1, 1, 1)) if "out_scale" in params else \
-        params["query"]  # P Wq, the output projection [D,H,K]
+    out = params["query"] * jnp.reshape(out_scale, (-1, 1, 1))  # P Wq, the output projection
 
     def prepare(c):
         B, T, _ = c.shape
