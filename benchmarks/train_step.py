@@ -62,7 +62,7 @@ def main():
         fns["peak"], probe_flops = matmul_peak_probe()
     times = median_times(fns, args.repeats)
     if "peak" in times:
-        peak, source = probe_flops / times["peak"] * jax.process_count(), "fp32 matmul, same run"
+        peak, source = probe_flops / times["peak"], "fp32 matmul, same run"
     else:
         peak, source = peak_flops(None)
     m = configs["tied CEM"].model
