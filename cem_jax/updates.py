@@ -84,9 +84,9 @@ def _split_heads(x: Array, w: Array) -> Array:
 
 
 def _merge_heads(o: Array, w: Array) -> Array:
-    """Σ_n W_n o_n: heads-major o [B,N,T,K] with w [D,N,K] back to [B,T,D]."""
+    """Σ_n o_n W_n: heads-major o [B,N,T,K] with w [N·K, D] back to [B,T,D]."""
     B, N, T, K = o.shape
-    return dense(o.transpose(0, 2, 1, 3).reshape(B, T, N * K), w.reshape(-1, N * K).T)
+    return dense(o.transpose(0, 2, 1, 3).reshape(B, T, N * K), w)
 
 
 def _rope_tables(positions: Array, spec: AttentionSpec) -> tuple[Array, Array] | None:
@@ -184,7 +184,10 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
     diag = params.get("diag")
     G = spec.num_kv_heads
     out_scale = params.get("out_scale", 1.0)
-    out = params["query"] * jnp.reshape(out_scale, (-1, 1, 1))  # P Wq, the output projection
+    # P Wq as the output projection [H·K, D]: scaled in Wq's own layout, so that the transpose
+    # folds into the matmul instead of being materialised (and its gradient transposed back)
+    out = (params["query"] * jnp.reshape(out_scale, (-1, 1, 1))).reshape(-1, spec.num_heads *
+                                                                            spec.head_dim).T
 
     def prepare(c):
         B, T, _ = c.shape
@@ -238,7 +241,7 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
     Wk [D,G,K], Wv [D,G,K], Wo [H,K,D]; queries from y, keys/values from c. No energy.
     params["out_scale"] ([] or [D], `fold_preconditioner`) scales Wo's output: P·u."""
     G = spec.num_kv_heads
-    out = params["out"] * params.get("out_scale", 1.0)
+    out = (params["out"] * params.get("out_scale", 1.0)).reshape(-1, params["out"].shape[-1])
 
     def prepare(c):
         B, T, _ = c.shape
@@ -252,7 +255,7 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
         B, T, _ = y.shape
         q = _rotated(_split_heads(y, params["query"]), tables)
         o = _causal_attention(q.reshape(B, G, -1, T, spec.head_dim), k, v, mask, spec)
-        return _merge_heads(o.reshape(B, spec.num_heads, T, -1), out.transpose(2, 0, 1))
+        return _merge_heads(o.reshape(B, spec.num_heads, T, -1), out)
 
     return Mixer(prepare, direction, None)
 
@@ -263,9 +266,8 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
 
 
 def _gated_mixer(params: dict, activation: Activation, down: Array, energy) -> Mixer:
-    """u = Wdown(σ(Wg y) ⊙ Wu c) with `down` [F,D]; Wu c is computed once per sub-layer. With
-    params["out_scale"] ([] or [D], `fold_preconditioner`) the direction is P·u."""
-    down = down * params.get("out_scale", 1.0)
+    """u = Wdown(σ(Wg y) ⊙ Wu c) with `down` [F,D]; Wu c is computed once per sub-layer.
+    `down` holds params["out_scale"] ([] or [D], `fold_preconditioner`): the direction is P·u."""
 
     def prepare(c):
         return dense(c, params["up"])
@@ -282,12 +284,14 @@ def tied_mlp_mixer(params: dict, activation: Activation) -> Mixer:
     def energy(y, c):
         return mlp_energy(params, y, c, activation=activation)
 
-    return _gated_mixer(params, activation, params["gate"].T, energy)
+    # P Wg scaled in Wg's own layout [D,F]: the transpose then folds into the matmul
+    down = (params["gate"] * jnp.reshape(params.get("out_scale", 1.0), (-1, 1))).T
+    return _gated_mixer(params, activation, down, energy)
 
 
 def swiglu_mixer(params: dict, activation: Activation) -> Mixer:
     """Untied gated MLP (SwiGLU for SiLU): Wdown(σ(Wg y) ⊙ Wu c), Wdown [F,D]. No energy."""
-    return _gated_mixer(params, activation, params["down"], None)
+    return _gated_mixer(params, activation, params["down"] * params.get("out_scale", 1.0), None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,11 +14,13 @@ from cem_jax.config import ModelConfig
 from cem_jax.energies import (
     ACTIVATIONS,
     AttentionSpec,
+    apply_rope,
     attention_energy,
     get_activation,
     mlp_energy,
     register_activation,
     rope,
+    rope_tables,
 )
 from cem_jax.model import CEMTransformer
 from cem_jax.updates import tied_mlp_mixer
@@ -78,6 +80,21 @@ def test_rope_equals_explicit_rotation_matrices_and_inverts():
     np.testing.assert_allclose(got, want, atol=1e-5)
     back = rope(jnp.asarray(got), -jnp.asarray(pos))
     np.testing.assert_allclose(back, x, atol=1e-5)
+
+
+def test_rope_tables_are_computed_once_for_all_their_readers():
+    """XLA counts cos/sin as cheap and would recompute them in each fusion that reads the tables
+    (rope_tables' docstring); the compiled fwd+bwd of three rotations holds one cos and one sin."""
+    x, w = jnp.ones((2, 3, 5, 8)), jnp.ones((8, 8))
+
+    def loss(x, pos):
+        tables = rope_tables(pos, 8)
+        rotated = [apply_rope(x * i, *tables) for i in (1.0, 2.0, 3.0)]
+        return sum(jnp.sum((r.reshape(-1, 8) @ w) ** 2) for r in rotated)  # a dot per rotation
+
+    pos = jnp.tile(jnp.arange(5), (2, 1))
+    hlo = jax.jit(jax.grad(loss)).lower(x, pos).compile().as_text()
+    assert (hlo.count(" cosine("), hlo.count(" sine(")) == (1, 1)
 
 
 def _brute_attention_energy(params, y, c, spec, use_rope, segment_ids=None):
