@@ -110,12 +110,12 @@ def rope_tables(positions: Array, head_dim: int, theta: float = 10000.0) -> tupl
     """cos and sin of the RoPE angles at integer `positions` [B,T]: fp32 [B,1,T,K/2] each
     (frequency theta^(-2i/K) for feature pair i; compute once, rotate many heads with them).
 
-    The tables leave through an identity gather. XLA's fusion counts cos and sin as cheap and
-    recomputes them inside every fusion that reads the tables: the rotations of queries, keys,
-    the tied output and their backward, six per tied attention sub-layer. A gather is never
-    duplicated, so the tables are computed once (one rotation of the `make train` model's
-    queries: 1.85 ms with cos/sin fused in, 0.38 ms reading the tables; the tied model's train
-    step ~11% faster; DESIGN.md §6).
+    The tables leave through an identity gather. XLA's fusion (CPU, JAX 0.10.2) counts cos and
+    sin as cheap and recomputes them inside every fusion that reads the tables: the rotations of
+    queries, keys, the tied output and their backward, six per tied attention sub-layer step. A
+    gather is not duplicated, so the tables are computed once (one rotation of the `make train`
+    model's queries: 1.85 ms with cos/sin fused in, 0.38 ms reading the tables; the tied
+    model's train step ~11% faster; DESIGN.md §6).
     """
     half = head_dim // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)

@@ -267,7 +267,8 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
 
 def _gated_mixer(params: dict, activation: Activation, down: Array, energy) -> Mixer:
     """u = Wdown(σ(Wg y) ⊙ Wu c) with `down` [F,D]; Wu c is computed once per sub-layer.
-    `down` holds params["out_scale"] ([] or [D], `fold_preconditioner`): the direction is P·u."""
+    `down` already includes params["out_scale"] ([] or [D], `fold_preconditioner`) when there is
+    one: the direction is then P·u."""
 
     def prepare(c):
         return dense(c, params["up"])
