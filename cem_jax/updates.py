@@ -186,8 +186,8 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
     out_scale = params.get("out_scale", 1.0)
     # P Wq as the output projection [H·K, D]: scaled in Wq's own layout, so that the transpose
     # folds into the matmul instead of being materialised (and its gradient transposed back)
-    out = (params["query"] * jnp.reshape(out_scale, (-1, 1, 1))).reshape(-1, spec.num_heads *
-                                                                            spec.head_dim).T
+    out = (params["query"] * jnp.reshape(out_scale, (-1, 1, 1))).reshape(len(params["query"]),
+                                                                            -1).T
 
     def prepare(c):
         B, T, _ = c.shape
