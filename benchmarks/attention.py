@@ -28,8 +28,7 @@ import jax.numpy as jnp
 from timing import median_times
 
 from cem_jax.kernels import BlockSizes, tied_attention, tied_attention_reference
-
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+from cem_jax.train.metrics import table_peak_flops
 
 
 def _loss(fn, num_args=2):
@@ -75,12 +74,20 @@ def memory_curves(max_t: int, B=1, H=2, K=64):
           f"kernel {math.log(k1 / k0) / growth:.2f}, reference {math.log(r1 / r0) / growth:.2f}")
 
 
-# BlockSizes tried by --sweep besides the GPU defaults (64×64 tiles, 4 warps, 2 stages):
-# (block_q, block_k, block_q_bwd, block_k_bwd, num_warps, num_stages).
-SWEEP = [(64, 64, 64, 64, 4, 3), (64, 64, 64, 64, 4, 4), (64, 64, 64, 64, 8, 2),
-         (128, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (128, 128, 64, 64, 8, 3),
-         (64, 128, 64, 64, 4, 2), (64, 64, 32, 32, 4, 2), (64, 64, 32, 64, 4, 3),
-         (64, 64, 128, 32, 8, 2)]
+# BlockSizes tried by --sweep besides the GPU defaults (64×64 tiles, 4 warps, 3 stages forward
+# and 2 backward): (block_q, block_k, num_warps, num_stages) of the forward, then the same of
+# the backward. Forward and backward settings are independent: each row varies one side.
+SWEEP = [((64, 64, 4, 4), (64, 64, 4, 2)), ((128, 64, 8, 3), (64, 64, 4, 2)),
+         ((128, 64, 8, 4), (64, 64, 4, 2)), ((64, 128, 4, 3), (64, 64, 4, 2)),
+         ((128, 128, 8, 2), (64, 64, 4, 2)), ((64, 64, 4, 3), (32, 64, 4, 2)),
+         ((64, 64, 4, 3), (64, 64, 8, 2)), ((64, 64, 4, 3), (64, 128, 8, 2)),
+         ((64, 64, 4, 3), (128, 64, 8, 2)), ((64, 64, 4, 3), (64, 64, 4, 1))]
+
+
+def sweep_sizes(fwd, bwd) -> BlockSizes:
+    return BlockSizes(block_q=fwd[0], block_k=fwd[1], num_warps=fwd[2], num_stages=fwd[3],
+                      block_q_bwd=bwd[0], block_k_bwd=bwd[1], num_warps_bwd=bwd[2],
+                      num_stages_bwd=bwd[3])
 
 
 def speed(B=4, T=4096, H=16, K=128, sweep=False):
@@ -99,10 +106,10 @@ def speed(B=4, T=4096, H=16, K=128, sweep=False):
         contenders[f"dpa {impl} (q,k,k)"] = (lambda q, k, impl=impl: dpa(q, k, k, impl), (q, k))
         contenders[f"dpa {impl} untied (q,k,v)"] = (functools.partial(dpa, impl=impl), (q, k, v))
     if sweep:
-        for sizes in SWEEP:
-            name = "tied q{}k{} bwd q{}k{} w{}s{}".format(*sizes)
-            contenders[name] = (functools.partial(tied_attention, block_sizes=BlockSizes(*sizes)),
-                                (q, k))
+        for fwd, bwd in SWEEP:
+            name = "tied q{}k{}w{}s{} bwd q{}k{}w{}s{}".format(*fwd, *bwd)
+            contenders[name] = (functools.partial(tied_attention,
+                                                  block_sizes=sweep_sizes(fwd, bwd)), (q, k))
     steps, forwards = {}, {}
     for name, (fn, args) in contenders.items():
         try:
@@ -118,7 +125,7 @@ def speed(B=4, T=4096, H=16, K=128, sweep=False):
     print(f"\nSpeed on {kind}, B={B} T={T} H={H} K={K} bf16 causal "
           "(median of 10 samples of 10 back-to-back calls):")
     for name in steps:
-        print(f"  {name:<32} fwd+bwd {t[name] * 1e3:8.3f} ms   fwd {tf[name] * 1e3:7.3f} ms "
+        print(f"  {name:<34} fwd+bwd {t[name] * 1e3:8.3f} ms   fwd {tf[name] * 1e3:7.3f} ms "
               f"({flops_fwd / tf[name] / 1e12:6.1f} TFLOP/s)   "
               f"fwd+bwd ratio to tied {t[name] / t['tied kernel']:.2f}")
     others = [n for n in steps if not n.startswith("tied")]
@@ -129,8 +136,9 @@ def speed(B=4, T=4096, H=16, K=128, sweep=False):
         best_fwd = min(others, key=lambda n: tf[n])
         print(f"tied kernel / best other ({best_fwd}) fwd time: "
               f"{tf['tied kernel'] / tf[best_fwd]:.2f}")
-    peak = next((v for n, v in PEAK_BF16_TFLOPS.items() if n in kind), None)
-    if peak and "tied kernel" in tf:
+    known = table_peak_flops(kind)
+    if known and "tied kernel" in tf:
+        peak = known[1] / 1e12
         frac = flops_fwd / tf["tied kernel"] / 1e12 / peak
         print(f"tied kernel forward: {frac:.1%} of the {peak:.0f} TFLOP/s bf16 peak "
               f"(target ≥ 50%)")

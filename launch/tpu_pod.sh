@@ -134,6 +134,10 @@ if [[ -n $BUCKET ]]; then
   RUN_DIR=${RUN_DIR:-$MOUNT/runs/$NAME}
 fi
 [[ -n $RUN_DIR ]] || die "give --run-dir (a shared, persistent path on the workers) or --bucket"
+if [[ -z $REPO_URL && $CONFIG != /* && ! -f $SOURCE_DIR/$CONFIG ]]; then
+  die "config '$CONFIG' is not in this checkout ($SOURCE_DIR), which is what the workers" \
+    "get; give a path relative to the repository root, e.g. configs/cem_full_100m.yaml"
+fi
 if [[ $RUN_DIR == gs://* ]]; then
   gcs=${RUN_DIR#gs://}
   die "run.dir is a local path for cem_jax; mount the bucket instead: --bucket ${gcs%%/*}" \

@@ -50,9 +50,9 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x·log2 e): the GPU's native exponen
 LN2 = 0.6931471805599453
 
 
-def _compiler_params(p: KernelParams, width: int, bq: int, bk: int):
-    warps = p.num_warps or (4 if width <= 64 or bq * bk < 128 * 64 else 8)
-    return plgpu.CompilerParams(num_warps=warps, num_stages=p.num_stages)
+def _compiler_params(width: int, bq: int, bk: int, num_warps: int | None, num_stages: int):
+    warps = num_warps or (4 if width <= 64 or bq * bk < 128 * 64 else 8)
+    return plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
 
 
 def _last_first(n, count: int):
@@ -144,7 +144,7 @@ def forward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, p: Ker
                                 lambda n, b, h: (b, h, _last_first(n, num_q)))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
-        compiler_params=_compiler_params(p, Kp, bq, p.block_k),
+        compiler_params=_compiler_params(Kp, bq, p.block_k, p.num_warps, p.num_stages),
         interpret=p.interpret,
         name="cem_tied_attention_fwd_gpu",
     )(*args)
@@ -243,12 +243,13 @@ def backward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, do: A
         dk_specs += [pl.BlockSpec((None, Tp), lambda j, b, g: (b, 0)),
                      pl.BlockSpec((None, bk), lambda j, b, g: (b, j))]
         args += [seg_q, seg_k]
+    bwd_params = _compiler_params(Kp, bq, bk, p.num_warps_bwd, p.num_stages_bwd)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, p=p, has_seg=has_seg),
         grid=(num_q, B, H), in_specs=dq_specs,
         out_specs=pl.BlockSpec((None, bq, None, Kp), row),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compiler_params(p, Kp, bq, bk), interpret=p.interpret,
+        compiler_params=bwd_params, interpret=p.interpret,
         name="cem_tied_attention_dq_gpu",
     )(*args)
     dk = pl.pallas_call(
@@ -256,7 +257,7 @@ def backward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, do: A
         grid=(Sp // bk, B, G), in_specs=dk_specs,
         out_specs=pl.BlockSpec((None, bk, None, Kp), key_tile),
         out_shape=jax.ShapeDtypeStruct(k.shape, k.dtype),
-        compiler_params=_compiler_params(p, Kp, bq, bk), interpret=p.interpret,
+        compiler_params=bwd_params, interpret=p.interpret,
         name="cem_tied_attention_dk_gpu",
     )(*args)
     return dq, dk

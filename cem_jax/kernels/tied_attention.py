@@ -95,7 +95,8 @@ def tied_attention(q: Array, k: Array, *, causal: bool = True, segment_ids: Arra
         params = KernelParams(causal=causal, scale=beta, kv_len=S if Sp != S else None,
                               ratio=H // G, block_q=bq, block_k=bk, block_q_bwd=bqb,
                               block_k_bwd=bkb, num_warps=bs.num_warps,
-                              num_stages=bs.num_stages, interpret=interpret)
+                              num_stages=bs.num_stages, num_warps_bwd=bs.num_warps_bwd,
+                              num_stages_bwd=bs.num_stages_bwd, interpret=interpret)
         qp = pad_axis(pad_axis(q, 1, Tp), 3, Kp)  # no copy when nothing needs padding
         kp = pad_axis(pad_axis(k, 1, Sp), 3, Kp)
         seg = None

@@ -99,6 +99,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     check_batch_split(cfg, mesh)
     checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
     resume_step = checkpointer.latest_step()
+    if resume_step is not None:
+        _check_resumed_config(cfg, run_dir, lead)
     tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
     if cfg.data.has_validation:  # a bad validation corpus fails now, not after training
         load_tokens(cfg.data, tokenizer, "validation")
@@ -218,18 +220,30 @@ def evaluate(cfg: TrainConfig, trainer: Trainer, params: dict, tokenizer: Tokeni
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": stats.bits_per_byte(loss)}
 
 
+def _check_resumed_config(cfg: TrainConfig, run_dir: Path, lead: bool) -> None:
+    """A resumed run keeps the model and data config of its config.yaml (ValueError
+    otherwise). A changed `optimizer` section or `run.steps` is allowed (to train longer, say),
+    but it reshapes the learning-rate schedule from the resume step on, so it is reported."""
+    saved, given = load_config(run_dir / "config.yaml").to_dict(), cfg.to_dict()
+
+    def diff(section, keys=None):
+        old, new = saved[section], given[section]
+        return {f"{section}.{k}": (old[k], new[k]) for k in keys or old if old[k] != new[k]}
+
+    for section in ("model", "data"):
+        if changed := diff(section):
+            raise ValueError(f"{run_dir} holds a run with a different {section} config "
+                             f"(saved, given): {changed}; use another run.dir")
+    if changed := {**diff("optimizer"), **diff("run", ["steps"])}:
+        _say(lead, f"warning: resuming with a changed schedule (saved, given): {changed}; the "
+                   "learning rate follows the new one from the resume step on")
+
+
 def _run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool) -> Tokenizer:
-    """A resumed run's own tokenizer.model (its model/data config must match config.yaml); a
-    new run's tokenizer from the data config, saved into the run directory."""
+    """A resumed run's own tokenizer.model; a new run's tokenizer from the data config, saved
+    into the run directory."""
     path = run_dir / "tokenizer.model"
     if resumed:
-        saved = load_config(run_dir / "config.yaml")
-        for section in ("model", "data"):
-            old, new = saved.to_dict()[section], cfg.to_dict()[section]
-            diff = {k: (old[k], new[k]) for k in old if old[k] != new[k]}
-            if diff:
-                raise ValueError(f"{run_dir} holds a run with a different {section} config "
-                                 f"(saved, given): {diff}; use another run.dir")
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing from the run directory being resumed; "
                                     f"restore it or start a new run.dir")

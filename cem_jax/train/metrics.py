@@ -21,6 +21,7 @@ tokens/s / peak FLOP/s of all devices.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,10 +32,11 @@ from tensorboardX import SummaryWriter
 
 from cem_jax.config import ModelConfig
 
-# Peak dense bf16 FLOP/s per device, by substring of `jax.Device.device_kind` (vendor sheets).
+# Peak dense bf16 FLOP/s per device, by whole words of `jax.Device.device_kind` (vendor
+# sheets); the first name that matches wins, so a longer name precedes its prefix.
 PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
               "TPU v5": 459e12, "TPU v6": 918e12, "H200": 989e12, "H100": 989e12,
-              "A100": 312e12, "L4": 121e12, "V100": 125e12}
+              "A100": 312e12, "L40S": 362e12, "L4": 121e12, "V100": 125e12}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> float:
@@ -75,6 +77,15 @@ def measure_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
     return flops / float(np.median(times))
 
 
+def table_peak_flops(device_kind: str) -> tuple[str, float] | None:
+    """(name, bf16 FLOP/s) of the first `PEAK_FLOPS` entry whose words appear in
+    `device_kind` (e.g. "NVIDIA H200"), or None for a device not in the table."""
+    for name, flops in PEAK_FLOPS.items():
+        if re.search(rf"\b{re.escape(name)}\b", device_kind, re.IGNORECASE):
+            return name, flops
+    return None
+
+
 def peak_flops(configured: float | None) -> tuple[float, str]:
     """Peak FLOP/s of all devices and where the figure came from: `configured` if given, the
     `PEAK_FLOPS` table for a known accelerator (times the device count), else a matmul measured
@@ -82,10 +93,9 @@ def peak_flops(configured: float | None) -> tuple[float, str]:
     of one process, e.g. from `--xla_force_host_platform_device_count`, share its cores)."""
     if configured is not None:
         return configured, "configured"
-    kind = jax.devices()[0].device_kind
-    for name, flops in PEAK_FLOPS.items():
-        if name.lower() in kind.lower():
-            return flops * jax.device_count(), f"table ({name} bf16)"
+    if known := table_peak_flops(jax.devices()[0].device_kind):
+        name, flops = known
+        return flops * jax.device_count(), f"table ({name} bf16)"
     n = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()
     return measure_matmul_peak() * n, "measured fp32 matmul"
 

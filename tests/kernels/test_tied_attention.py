@@ -7,6 +7,8 @@ the same bf16 inputs (bf16 rounds p and ds before the second matmuls, as FlashAt
 Broader hypothesis sweeps are marked slow (`make test-all`).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,6 +222,28 @@ def test_cpu_default_backend_is_the_reference():
 def test_bad_arguments_raise_clear_errors(q_shape, k_shape, kwargs, match):
     with pytest.raises(ValueError, match=match):
         tied_attention(jnp.zeros(q_shape), jnp.zeros(k_shape), **kwargs)
+
+
+@pytest.mark.parametrize("block_sizes, fwd, bwd", [
+    (None, (4, 3), (4, 2)),  # the GPU defaults: 3 stages forward, 2 backward
+    (BlockSizes(64, 64, 32, 32, num_warps=8, num_stages=4, num_warps_bwd=2, num_stages_bwd=1),
+     (8, 4), (2, 1)),
+])
+def test_gpu_kernels_are_launched_with_their_own_warps_and_stages(block_sizes, fwd, bwd):
+    """Lowered for CUDA (no GPU needed): the forward and the two backward Triton calls carry
+    their own (num_warps, num_stages)."""
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+
+    def loss(q, k):
+        o = tied_attention(q, k, backend="gpu", interpret=False, block_sizes=block_sizes)
+        return jnp.sum(o.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(q, q).lower(
+        lowering_platforms=("cuda",)).as_text()
+    found = {name: (int(warps), int(stages)) for name, stages, warps in re.findall(
+        r'name = "cem_tied_attention_(\w+)_gpu", num_stages = (\d+) : i32, '
+        r'num_warps = (\d+) : i32', text)}
+    assert found == {"fwd": fwd, "dq": bwd, "dk": bwd}
 
 
 def test_bad_dtypes_raise_clear_errors():

@@ -185,7 +185,8 @@ def fake_tpu(tmp_path):
         _write(root / "workerbin" / tool, LOGGER)
     _write(root / "workerbin" / "mountpoint", "#!/bin/bash\nexit 1\n")
     source = tmp_path / "source"  # the checkout tpu_pod.sh copies to the workers
-    for name in ("pyproject.toml", "cem_jax/__init__.py", "configs/a.yaml", ".git/HEAD",
+    for name in ("pyproject.toml", "cem_jax/__init__.py", "configs/a.yaml",
+                 "configs/shakespeare_cem.yaml", ".git/HEAD",
                  ".venv/bin/python", "runs/old/metrics.jsonl", "cem_jax/__pycache__/x.pyc"):
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         (source / name).write_text("x")
@@ -377,6 +378,10 @@ def test_tpu_dry_run_prints_the_commands_and_runs_nothing(fake_tpu):
      "a bucket name, not a path ('b/runs'); give --bucket b --run-dir /mnt/b/runs"),
     (["--zone", "z", "--run-dir", "/r", "--max-restarts", "x"], "MAX_RESTARTS must be"),
     (["--zone", "z", "--run-dir", "/r", "oops"], "neither an option nor"),
+    (["--zone", "z", "--run-dir", "/r", "--config", "configs/typo.yaml"],
+     "config 'configs/typo.yaml' is not in this checkout"),
+    (["--zone", "z", "--run-dir", "/r", "--config", "configs/typo.yaml", "--dry-run"],
+     "config 'configs/typo.yaml' is not in this checkout"),
 ])
 def test_tpu_usage_errors(fake_tpu, args, message):
     proc, got = fake_tpu(args, {"initial": "MISSING"})

@@ -126,6 +126,17 @@ def test_cpu_peak_is_not_multiplied_by_host_devices(monkeypatch):
     assert metrics.peak_flops(5.0) == (5.0, "configured")
 
 
+@pytest.mark.parametrize("kind, name", [("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"),
+                                        ("NVIDIA A100-SXM4-80GB", "A100"),
+                                        ("TPU v5 lite", "TPU v5 lite"), ("TPU v5p", "TPU v5p"),
+                                        ("TPU v6 lite", "TPU v6")])
+def test_peak_flops_table_matches_whole_words_of_the_device_kind(monkeypatch, kind, name):
+    # "L4" is a prefix of "L40S" but not the same chip (121 vs 362 TFLOP/s).
+    monkeypatch.setattr(jax, "devices", lambda: [SimpleNamespace(device_kind=kind)])
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    assert metrics.peak_flops(None) == (metrics.PEAK_FLOPS[name], f"table ({name} bf16)")
+
+
 def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, capsys):
     args = [*tiny_overrides, f"run.dir={tmp_path}", "run.steps=3", "run.sample_tokens=0"]
     assert main(args) == 0
@@ -136,6 +147,23 @@ def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, 
     assert main([*args[:-2], "run.steps=5"]) == 1
     err = capsys.readouterr().err
     assert "cannot restore checkpoint" in err and str(tmp_path / "checkpoints" / "3") in err
+
+
+def test_resume_refuses_a_changed_model_and_reports_a_changed_schedule(tiny_overrides,
+                                                                         tmp_path, capsys):
+    args = [*tiny_overrides, f"run.dir={tmp_path}", "run.steps=3", "run.sample_tokens=0",
+            "run.eval_batches=1"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "model.d_model=64"]) == 1
+    assert "different model config (saved, given): {'model.d_model': (32, 64)}" \
+        in capsys.readouterr().err
+    assert main([*args, "run.steps=5", "optimizer.lr=5e-3"]) == 0
+    out = capsys.readouterr().out
+    assert ("changed schedule (saved, given): {'optimizer.lr': (0.01, 0.005), "
+            "'run.steps': (3, 5)}") in out
+    assert "resumed" in out and max(json.loads(line)["step"] for line in
+                                    (tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
 
 
 def test_bfloat16_compute_with_remat_trains(tiny_overrides, tmp_path):
