@@ -78,7 +78,7 @@ def train_one(stem: str, path: str, run_args: list[str], cfg: TrainConfig) -> di
         return row
     book = run_dir / "compare.json"  # training wall time summed over invocations
     wall = json.loads(book.read_text())["wall_s"] if book.is_file() else 0.0
-    if not _finished(run_dir, cfg.run.steps):
+    if not _finished(run_dir, cfg):
         print(f"cem-compare: training {stem} ({cfg.run.steps} steps) in {run_dir}", flush=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
@@ -91,7 +91,7 @@ def train_one(stem: str, path: str, run_args: list[str], cfg: TrainConfig) -> di
             row["note"] = f"cem-train exited with status {status}; see {run_dir / 'train.log'}"
             print(f"cem-compare: {stem}: {row['note']}", file=sys.stderr)
     row.update(read_metrics(run_dir, cfg), wall_s=wall)
-    row["ok"] = not row["note"] and _finished(run_dir, cfg.run.steps)
+    row["ok"] = not row["note"] and _finished(run_dir, cfg)
     return row
 
 
@@ -119,11 +119,13 @@ def read_metrics(run_dir: Path, cfg: TrainConfig) -> dict:
             "tokens_per_s": statistics.median(speeds) if speeds else math.nan}
 
 
-def _finished(run_dir: Path, steps: int) -> bool:
-    """The final validation (written only once the last step is done) is in the metrics."""
+def _finished(run_dir: Path, cfg: TrainConfig) -> bool:
+    """The metrics hold the final validation (written once the last step is done), or, for a
+    run without a validation split, the last step's training record."""
     path = run_dir / "metrics.jsonl"
+    kind = "eval" if cfg.data.has_validation else "train"
     return path.is_file() and any(
-        r["kind"] == "eval" and r["step"] == steps
+        r["kind"] == kind and r["step"] == cfg.run.steps
         for r in map(json.loads, path.read_text().splitlines()))
 
 

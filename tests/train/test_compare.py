@@ -73,3 +73,15 @@ def test_compare_two_tiny_configs(tiny_overrides, tmp_path, capsys):
     assert "training" not in capsys.readouterr().out
     assert {p: p.stat().st_size for p in runs.glob("*/train.log")} == logs
     assert _table(out.read_text()) == table and out.read_text().endswith("My reading.\n")
+
+
+def test_a_run_without_validation_counts_as_finished(tiny_overrides, tmp_path, capsys):
+    path = tmp_path / "no_val.yaml"
+    path.write_text("model:\n  preconditioner: none\n")
+    out, runs = tmp_path / "results.md", tmp_path / "runs"
+    argv = ["--configs", str(path), "--steps", "3", "--out", str(out), "--runs-dir", str(runs),
+            *tiny_overrides, "data.val_corpus=null", "run.sample_tokens=0"]
+    assert main(argv) == 0, capsys.readouterr()
+    assert "training no_val" in capsys.readouterr().out
+    assert main(argv) == 0  # reused: not trained again
+    assert "training" not in capsys.readouterr().out
