@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import statistics
 import subprocess
@@ -39,10 +40,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run `cem-compare`; returns 0 if every run finished, 1 if one failed, 2 on bad
     arguments or configs."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="cem-compare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="cem-compare",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--configs", nargs="+", required=True, metavar="YAML")
-    parser.add_argument("--steps", type=int, required=True, help="training steps of every run")
-    parser.add_argument("--eval-every", type=int, help="validation interval (default steps/8)")
+    parser.add_argument("--steps", type=_positive_int, required=True,
+                        help="training steps of every run")
+    parser.add_argument("--eval-every", type=_positive_int,
+                        help="validation interval (default steps/8)")
     parser.add_argument("--out", type=Path, default=Path("docs/results.md"))
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/compare"))
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -60,11 +64,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"cem-compare: configuration error: {err}", file=sys.stderr)
         return 2
+    unwritable = _unwritable(args.out)  # found now, not after an hour of training
+    if unwritable:
+        parser.error(unwritable)
     rows = [train_one(stem, path, run_args, cfg) for stem, (path, run_args, cfg) in runs.items()]
     command = "cem-compare " + shlex.join(argv)
     write_report(rows, args.out, command, args.steps)
     print(f"cem-compare: wrote {args.out} and {curves_path(args.out)}")
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+def _positive_int(text: str) -> int:
+    """`text` as an integer >= 1; raises argparse.ArgumentTypeError otherwise."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def _unwritable(out: Path) -> str:
+    """Why the report cannot be written to `out` and its PNG beside it ("" if it can); creates
+    the folder of `out`."""
+    for path in (out, curves_path(out)):
+        if path.is_dir():
+            return (f"--out {path} is a directory: give the Markdown file to write, e.g. "
+                    f"{path / 'results.md'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return (f"cannot create {out.parent}, the folder of --out ({err.strerror}: "
+                f"{err.filename}): choose another --out")
+    if not os.access(out.parent, os.W_OK):
+        return f"cannot write in {out.parent}, the folder of --out: choose another --out"
+    return ""
 
 
 def train_one(stem: str, path: str, run_args: list[str], cfg: TrainConfig) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -129,6 +130,9 @@ class ModelConfig:
                  f"a positive divisor of num_heads={self.num_heads} (GQA)")
         for name in ("rope_theta", "norm_eps", "init_std"):
             require(float(getattr(self, name)) > 0, name, getattr(self, name), "> 0")
+        require(self.interaction == "lowrank" or self.tie_attention, "interaction",
+                self.interaction, "'lowrank' when tie_attention is false (the diagonal term "
+                "belongs to the CEM attention energy)")
 
 
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
@@ -136,7 +140,8 @@ _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
 
 def check_field_types(obj: Any) -> None:
     """Check every field of dataclass `obj` against its annotation (`int`, `float`, `bool`,
-    `str`, optionally `| None`); bools are not accepted as numbers. Raises `ValueError`."""
+    `str`, optionally `| None`); bools are not accepted as numbers, nor are inf and nan.
+    Raises `ConfigFieldError`."""
     for f in dataclasses.fields(obj):
         value, kinds = getattr(obj, f.name), str(f.type).replace(" ", "").split("|")
         if value is None and "None" in kinds:
@@ -144,11 +149,22 @@ def check_field_types(obj: Any) -> None:
         allowed = tuple(t for k in kinds for t in _TYPES.get(k, (object,)))
         ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
         require(ok, f.name, value, f"of type {f.type}")
+        require(not isinstance(value, float) or math.isfinite(value), f.name, value,
+                "a finite number")
+
+
+class ConfigFieldError(ValueError):
+    """A config field out of range; `field` names it (`from_dict` prefixes its section)."""
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"config field {field!r} = {value!r} is invalid: it must be {allowed}")
 
 
 def require(ok: bool, field: str, value: Any, allowed: str) -> None:
+    """Raise `ConfigFieldError` unless `ok`."""
     if not ok:
-        raise ValueError(f"config field {field!r} = {value!r} is invalid: it must be {allowed}")
+        raise ConfigFieldError(field, value, allowed)
 
 
 def from_dict(cls: type[T], values: dict[str, Any], *, section: str = "") -> T:
@@ -166,7 +182,12 @@ def from_dict(cls: type[T], values: dict[str, Any], *, section: str = "") -> T:
                              f"(known: {', '.join(sorted(fields))})")
     floats = {f.name for f in dataclasses.fields(cls) if str(f.type).startswith("float")}
     values = {k: _as_float(v) if k in floats else v for k, v in values.items()}
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ConfigFieldError as err:  # name the field as an override would: section.field
+        if not section:
+            raise
+        raise ConfigFieldError(f"{section}.{err.field}", err.value, err.allowed) from None
 
 
 def _as_float(value: Any) -> Any:

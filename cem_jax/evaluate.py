@@ -26,15 +26,18 @@ from cem_jax.train.step import Trainer
 
 
 def evaluate_run(run: Run, text: str | None = None, corpus: str = "validation",
-                 progress: bool = True) -> dict[str, float]:
+                 progress: bool = True, allow_invalid_utf8: bool = False) -> dict[str, float]:
     """{"loss", "perplexity", "bits_per_byte", "tokens", "bytes"} of `run` on a corpus spec
     `text` (a file, glob or `FORMAT:PATH` as `DataConfig.corpus` takes), or on the run's split
-    `corpus` ("validation" or "milton") when `text` is None.
+    `corpus` ("validation" or "milton") when `text` is None. `allow_invalid_utf8` reads invalid
+    UTF-8 bytes as U+FFFD (as the run's data.allow_invalid_utf8 does).
 
     Raises ValueError (unknown split, no validation split, empty or undecodable text),
     FileNotFoundError (missing files), `cem_jax.data.FetchError` (built-in corpus unavailable).
     """
     data = run.config.data
+    if allow_invalid_utf8:
+        data = dataclasses.replace(data, allow_invalid_utf8=True)
     if text is not None:
         data, corpus = dataclasses.replace(data, val_corpus=text), "validation"
     elif corpus == "validation" and not data.has_validation:
@@ -69,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "(text, jsonl, arrayrecord)")
     where.add_argument("--corpus", default="validation", choices=("validation", "milton"),
                        help="a built-in split of the run (default: validation)")
+    parser.add_argument("--allow-invalid-utf8", action="store_true",
+                        help="read invalid UTF-8 bytes as U+FFFD instead of refusing the text")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     from cem_jax.data import FetchError
@@ -76,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_checkpoint_logs()
     try:
         run = load_run(args.run, args.step)
-        result = evaluate_run(run, args.text, args.corpus, progress=not args.no_progress)
+        result = evaluate_run(run, args.text, args.corpus, progress=not args.no_progress,
+                              allow_invalid_utf8=args.allow_invalid_utf8)
     except (FileNotFoundError, CheckpointError, FetchError, ValueError) as err:
         print(f"cem-eval: error: {err}", file=sys.stderr)
         return 1

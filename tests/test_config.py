@@ -63,5 +63,5 @@ def test_yaml_errors_are_clear(tmp_path):
         load_model_config(bad)
     with pytest.raises(ValueError, match="must look like section.key=value"):
         load_model_config(None, ["steps"])
-    with pytest.raises(ValueError, match="'steps'"):
+    with pytest.raises(ValueError, match="'model.steps'"):
         load_model_config(None, ["steps=-1"])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
+
+from cem_jax.config import require
 
 MIN_VOCAB_SIZE = 320  # 4 special ids + 256 byte pieces + room for the corpus' characters
 
@@ -46,6 +48,11 @@ class DataConfig:
     cache_dir: str | None = None
     shakespeare_archive: str | None = None
 
+    # Fields that say where the data is cached or how fast it is read, not which tokens a run
+    # sees (the archive is checked by its SHA-256): a resumed run may change them.
+    NOT_IN_TOKEN_STREAM: ClassVar[tuple[str, ...]] = ("num_threads", "prefetch", "cache_dir",
+                                                       "shakespeare_archive")
+
     def __post_init__(self):
         self.validate()
 
@@ -65,9 +72,10 @@ class DataConfig:
                      value, "null or a non-empty string")
         require(_is_int(self.vocab_size) and self.vocab_size >= MIN_VOCAB_SIZE, "vocab_size",
                  self.vocab_size, f"an integer >= {MIN_VOCAB_SIZE}")
-        for name in ("seq_len", "batch_size"):
-            require(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
-                     getattr(self, name), "a positive integer")
+        require(_is_int(self.seq_len) and self.seq_len >= 2, "seq_len", self.seq_len,
+                "an integer >= 2 (a token and the next one to predict)")
+        require(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size",
+                self.batch_size, "a positive integer")
         for name in ("num_threads", "prefetch"):
             require(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name,
                      getattr(self, name), "a non-negative integer")
@@ -80,8 +88,3 @@ class DataConfig:
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
-
-def require(ok: bool, field: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"data config field {field!r} = {value!r} is invalid: it must be "
-                         f"{allowed}")

@@ -29,6 +29,8 @@ SPLITS = ("train", "validation", "milton")
 FORMATS = ("text", "jsonl", "arrayrecord")
 BUILTIN = ("shakespeare", "milton")
 FORMAT_VERSION = 1  # bump when reading or normalization changes: it invalidates cached tokens
+ALLOW_INVALID_UTF8_HINT = ("set data.allow_invalid_utf8=true (--allow-invalid-utf8 of cem-data "
+                           "and cem-eval)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Split:
         """Yield the non-empty documents in a fixed order.
 
         Raises ValueError: invalid UTF-8 (naming file and byte offset), malformed JSONL (naming
-        file and line), or no text at all in the split.
+        file and line), a file that is not ArrayRecord, or no text at all in the split.
         """
         count = 0
         for doc in _READERS[self.kind](self):
@@ -87,8 +89,17 @@ class Split:
 
 
 def cache_root(cfg: DataConfig) -> Path:
-    """The cache directory of `cfg`: `cfg.cache_dir`, else `$CEM_JAX_CACHE` or ~/.cache/cem_jax."""
-    return Path(cfg.cache_dir) if cfg.cache_dir else shakespeare.default_cache_dir()
+    """The cache directory of `cfg`: `cfg.cache_dir`, else `$CEM_JAX_CACHE` or ~/.cache/cem_jax.
+
+    Raises ValueError when it, or a folder above it, is a file.
+    """
+    root = Path(cfg.cache_dir) if cfg.cache_dir else shakespeare.default_cache_dir()
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"the cache directory {root} cannot be used: {existing} is a file; "
+                         f"set data.cache_dir (cem-data --cache-dir) or "
+                         f"${shakespeare.CACHE_ENV} to a directory")
+    return root
 
 
 def resolve_split(cfg: DataConfig, split: str) -> Split:
@@ -162,8 +173,8 @@ def decode(data: bytes, where: str, allow_invalid_utf8: bool, offset: int = 0) -
             bad = data[err.start:err.end]
             raise ValueError(
                 f"{where}: invalid UTF-8 at byte offset {offset + err.start} ({err.reason}: "
-                f"{bad!r}); fix the file or set data.allow_invalid_utf8=true (cem-data "
-                "--allow-invalid-utf8) to replace invalid bytes with U+FFFD") from None
+                f"{bad!r}); fix the file or {ALLOW_INVALID_UTF8_HINT} to replace invalid bytes "
+                "with U+FFFD") from None
         text = data.decode("utf-8", errors="replace")
     return text.removeprefix("\ufeff").replace("\r\n", "\n")
 
@@ -207,15 +218,19 @@ def _json_text(text: str, where: str, allow_invalid_utf8: bool) -> str:
     except UnicodeEncodeError as err:
         if not allow_invalid_utf8:
             raise ValueError(f"{where}: the text holds a lone surrogate at character "
-                             f"{err.start}, which is not valid UTF-8; set "
-                             "data.allow_invalid_utf8=true to replace it with U+FFFD") from None
+                             f"{err.start}, which is not valid UTF-8; {ALLOW_INVALID_UTF8_HINT} to "
+                             "replace it with U+FFFD") from None
         text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
     return text.replace("\r\n", "\n")
 
 
 def _read_arrayrecord(split: Split) -> Iterator[Document]:
     for path in split.files:
-        records = grain.sources.ArrayRecordDataSource([path])
+        try:
+            records = grain.sources.ArrayRecordDataSource([path])
+        except RuntimeError as err:  # array_record's errors, e.g. a text file
+            raise ValueError(f"{path} is not an ArrayRecord file ({err}): name a text or JSONL "
+                             f"file as text:PATH or jsonl:PATH") from None
         for i in range(len(records)):
             yield Document(f"{path}[{i}]", decode(records[i], f"{path} record {i}",
                                                   split.allow_invalid_utf8))

@@ -1,9 +1,10 @@
 """`cem-import`: a Hugging Face Llama directory → a baseline run directory, so that training (or
 sampling, evaluation, export) can start from existing weights.
 
-The run directory is what `cem-train` writes: config.yaml (the model section from the Llama's
-config.json; data/optimizer/run sections from `--config` and overrides, with data.tokenizer set to
-the run's own tokenizer.model), tokenizer.model (the Llama's sentencepiece model), and checkpoint
+The run directory is what `cem-train` writes: config.yaml (the model's architecture,
+`LLAMA_FIELDS`, from the Llama's config.json; the other model fields, such as dtype, and the
+data/optimizer/run sections from `--config` and overrides, with data.tokenizer set to the run's
+own tokenizer.model), tokenizer.model (the Llama's sentencepiece model), and checkpoint
 0 (parameters, a fresh optimizer state, step 0, the data iterator at its start). `cem-train` on
 that directory resumes from step 0, i.e. fine-tunes the imported weights.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import safetensors
 import safetensors.numpy
 
 from cem_jax.config import apply_overrides, load_yaml
@@ -23,20 +25,26 @@ from cem_jax.export.safetensors_io import unflat_params
 from cem_jax.rundir import write_run
 from cem_jax.train.config import config_from_dict
 
+# The model fields set by the Llama's config.json (a config's own values of them are replaced).
+LLAMA_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "mlp_dim", "activation", "tie_attention", "tie_mlp", "preconditioner", "steps",
+                "position", "rope_theta", "norm_eps", "tie_embeddings")
+
 
 def read_llama_dir(directory: str | Path) -> tuple[dict, dict]:
     """(config.json dict, {name: numpy array}) of a Hugging Face Llama directory (one
     model.safetensors or a sharded one with model.safetensors.index.json; never pickle).
-    Raises ExportError when it is not a Llama or has no safetensors weights."""
+    Raises ExportError when it is not a Llama, has no safetensors weights, or one of its files
+    is not valid JSON or safetensors (the message names the file)."""
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise ExportError(f"{directory} has no config.json: not a Hugging Face model directory")
-    config = json.loads((directory / "config.json").read_text())
+    config = _read_json(directory / "config.json")
     if config.get("model_type") != "llama":
         raise ExportError(f"{directory} holds model_type {config.get('model_type')!r}; only "
                           f"'llama' can be imported as a baseline")
     index = directory / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    files = (sorted(set(_read_json(index)["weight_map"].values()))
              if index.is_file() else ["model.safetensors"])
     tensors: dict = {}
     for name in files:
@@ -44,8 +52,23 @@ def read_llama_dir(directory: str | Path) -> tuple[dict, dict]:
         if not path.is_file() or path.resolve().parent != directory.resolve():
             raise ExportError(f"{directory} lacks safetensors weights {name!r} (pickled "
                               f"pytorch_model.bin files are not read)")
-        tensors |= safetensors.numpy.load_file(str(path))
+        try:
+            tensors |= safetensors.numpy.load_file(str(path))
+        except safetensors.SafetensorError as err:
+            raise ExportError(f"{path} is not a readable safetensors file ({err}): it may be "
+                              f"truncated; download it again") from None
     return config, tensors
+
+
+def _read_json(path: Path) -> dict:
+    """The JSON object in `path`; raises ExportError naming the file when it holds none."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ExportError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ExportError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | None = None,
@@ -53,8 +76,14 @@ def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | 
     """Write a baseline run directory `out` from the Llama in `hf_dir` (atomically).
 
     Raises ExportError (not an importable Llama), FileNotFoundError (no tokenizer.model: the
-    run needs the sentencepiece model), ValueError (an invalid config), FileExistsError.
+    run needs the sentencepiece model), ValueError (an invalid config, or an override of one
+    of `LLAMA_FIELDS`, which come from the Llama's config.json), FileExistsError.
     """
+    fixed = [o for o in overrides if o.partition("=")[0] in {f"model.{n}" for n in LLAMA_FIELDS}]
+    if fixed:
+        raise ValueError(f"{', '.join(fixed)}: the model's architecture comes from the Hugging "
+                         f"Face config.json in {hf_dir} and cannot be overridden (other model "
+                         f"fields, such as model.dtype, can)")
     hf_dir = Path(hf_dir)
     llama_cfg, tensors = read_llama_dir(hf_dir)
     model_cfg, flat = from_llama(llama_cfg, tensors)
@@ -63,7 +92,8 @@ def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | 
     values = apply_overrides(values, list(overrides))
     with staged_dir(out, overwrite) as stage:
         final = Path(out).absolute()
-        values["model"] = {**(values.get("model") or {}), **_model_fields(model_cfg)}
+        values["model"] = {**(values.get("model") or {}),
+                           **{n: getattr(model_cfg, n) for n in LLAMA_FIELDS}}
         values["data"] = {**(values.get("data") or {}), "vocab_size": model_cfg.vocab_size,
                           "tokenizer": str(final / "tokenizer.model")}
         values["run"] = {**(values.get("run") or {}), "dir": str(final)}
@@ -72,10 +102,3 @@ def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | 
                                cfg.model)
         write_run(stage, cfg, params, tokenizer)
     return Path(out)
-
-
-def _model_fields(cfg) -> dict:
-    names = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-             "mlp_dim", "activation", "tie_attention", "tie_mlp", "preconditioner", "steps",
-             "position", "rope_theta", "norm_eps", "tie_embeddings")
-    return {n: getattr(cfg, n) for n in names}

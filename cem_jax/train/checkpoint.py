@@ -41,7 +41,7 @@ class Checkpointer:
     def save(self, step: int, state: dict, iterator: grain.DatasetIterator,
              config: dict[str, Any], tokenizer: Tokenizer) -> None:
         """Start saving step `step` (returns before the arrays are written; see `wait`).
-        The caller must only pass a state whose loss and gradients were finite."""
+        The caller must only pass a state whose loss, gradients and parameters are finite."""
         meta = {"config": config, "tokenizer_sha256": tokenizer.sha256,
                 "tokenizer_model": base64.b64encode(tokenizer.model_proto).decode()}
         self.manager.save(step, force=True, args=ocp.args.Composite(
@@ -58,10 +58,12 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(abstract_state),
                 data=grain.checkpoint.CheckpointRestore(iterator), meta=ocp.args.JsonRestore()))
         except Exception as err:  # orbax raises many kinds; all mean "this step is unusable"
+            # The first line is the cause; TensorStore appends its whole spec after it.
+            cause = (str(err).splitlines() or [""])[0].split(" See full TensorStore")[0][:300]
             raise CheckpointError(
-                f"cannot restore checkpoint {self.directory / str(step)}: {err}. If it is corrupt "
-                f"delete that step directory (an older one is then used), or start a new run "
-                f"directory") from err
+                f"cannot restore checkpoint {self.directory / str(step)} "
+                f"({type(err).__name__}: {cause})\nIf it is corrupt, delete that step directory "
+                f"(the next older step is then used), or start a new run directory") from err
         return restored["state"], restored["meta"]
 
     def wait(self) -> None:

@@ -134,6 +134,8 @@ class RunConfig:
                  self.debug_signal, "one of 'SIGTERM', 'SIGINT', 'SIGKILL'")
         require(self.sample_temperature >= 0, "sample_temperature", self.sample_temperature,
                  ">= 0")
+        require(self.peak_flops is None or self.peak_flops > 0, "peak_flops", self.peak_flops,
+                "a positive FLOP/s figure, or null (measured or from the device table)")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,

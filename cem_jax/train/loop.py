@@ -6,20 +6,24 @@
 
 A run directory holds config.yaml (resolved), tokenizer.model, metrics.jsonl, tensorboard/ and
 checkpoints/. Starting in one that has a checkpoint resumes from the latest (same model and data
-sections required). SIGTERM or SIGINT saves a checkpoint and exits (status 0); a non-finite loss
-or gradient stops the run (status 1) without saving, so the newest checkpoint stays good. At the
-end: validation loss, perplexity and bits per byte, and a generated sample.
+sections required). SIGTERM or SIGINT saves a checkpoint and exits (status 0); a non-finite loss,
+gradient or updated parameter stops the run (status 1) without saving, so the newest checkpoint
+stays good. One cem-train at a time holds a run directory (a lock file, `.lock`). At the end:
+validation loss, perplexity and bits per byte, and a generated sample.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import math
 import os
 import signal
+import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from cem_jax.data import (
+    DataConfig,
     Tokenizer,
     build_tokenizer,
     load_tokenizer,
@@ -47,8 +52,12 @@ from cem_jax.train.sharding import global_batch, make_mesh, replicated
 from cem_jax.train.step import Trainer
 
 
+class RunDirInUse(RuntimeError):
+    """Another cem-train holds the run directory."""
+
+
 class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm became NaN or infinite."""
+    """The loss, the gradient norm or the updated parameters became NaN or infinite."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dry_run(cfg)
         else:
             train(cfg)
-    except (TrainingDiverged, CheckpointError, FetchError, FileNotFoundError, FileExistsError,
+    except (TrainingDiverged, RunDirInUse, CheckpointError, FetchError, OSError,
             ValueError) as err:
         print(f"cem-train: error: {err}", file=sys.stderr)
         return 1
@@ -83,10 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "stopped_early",
     "eval": {"loss", "perplexity", "bits_per_byte"} (empty without a validation split),
-    "sample"}. Raises TrainingDiverged, CheckpointError, ValueError (config/run dir mismatch),
-    FileNotFoundError (a resumed run dir without tokenizer.model); ValueError also when
-    `cfg.expected_params` is not the model's parameter count (checked before anything is
-    written)."""
+    "sample"}. Raises TrainingDiverged, CheckpointError, RunDirInUse (another cem-train holds
+    the directory), ValueError (config/run dir mismatch, run.dir a file), FileNotFoundError (a
+    resumed run dir without tokenizer.model), OSError (an unwritable run dir, a full disk);
+    ValueError also when `cfg.expected_params` is not the model's parameter count (checked
+    before anything is written)."""
     if cfg.expected_params is not None:
         check_expected_params(cfg)
     if cfg.mesh.distributed:
@@ -94,31 +104,64 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                    cfg.mesh.process_id)
     lead = jax.process_index() == 0
     run_dir = Path(cfg.run.dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run.dir {run_dir} is a file, not a directory; give another run.dir")
     run_dir.mkdir(parents=True, exist_ok=True)
+    with _run_dir_lock(run_dir, lead):
+        return _train(cfg, run_dir, lead)
+
+
+@contextlib.contextmanager
+def _run_dir_lock(run_dir: Path, lead: bool) -> Iterator[None]:
+    """Hold an advisory lock on `run_dir/.lock` (process 0) while training, so that a second
+    cem-train on the same directory stops at once (RunDirInUse) instead of interleaving its
+    checkpoints and metrics. A file system without locks (some FUSE mounts) runs unlocked."""
+    if not lead:
+        yield
+        return
+    with open(run_dir / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise RunDirInUse(f"{run_dir} is in use by another cem-train ({f.read().strip()}); "
+                              "wait for it to finish or give another run.dir") from None
+        except OSError:  # no flock here: nothing to hold
+            pass
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        yield
+
+
+def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
     mesh = make_mesh(cfg.mesh)
     check_batch_split(cfg, mesh)
-    checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
-    resume_step = checkpointer.latest_step()
-    if resume_step is not None:
-        _check_resumed_config(cfg, run_dir, lead)
-    tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
-    if cfg.data.has_validation:  # a bad validation corpus fails now, not after training
-        load_tokens(cfg.data, tokenizer, "validation")
-    if lead:
-        save_config(cfg, run_dir / "config.yaml")
-    trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh, cfg.run.debug_nan_step)
-    iterator = make_train_iterator(cfg.data, tokenizer)
-    if resume_step is None:
-        state = trainer.init(cfg.run.seed)
-    else:
-        state, meta = checkpointer.restore(resume_step, trainer.abstract_state(), iterator)
-        if meta["tokenizer_sha256"] != tokenizer.sha256:
-            raise CheckpointError(f"{run_dir / 'tokenizer.model'} is not the tokenizer the "
-                                  f"checkpoint was trained with")
-        _say(lead, f"resumed {run_dir} from step {resume_step}")
-    writer = MetricsWriter(run_dir)
-    stop = _StopFlag()
-    try:
+    with contextlib.ExitStack() as closing:  # closed on errors too
+        checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
+        closing.callback(checkpointer.close)
+        resume_step = checkpointer.latest_step()
+        if resume_step is not None:
+            _check_resumed_config(cfg, run_dir, resume_step, lead)
+        tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
+        if cfg.data.has_validation:  # a bad validation corpus fails now, not after training
+            load_tokens(cfg.data, tokenizer, "validation")
+        if lead:
+            save_config(cfg, run_dir / "config.yaml")
+        trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh, cfg.run.debug_nan_step)
+        iterator = make_train_iterator(cfg.data, tokenizer)
+        if resume_step is None:
+            state = trainer.init(cfg.run.seed)
+        else:
+            state, meta = checkpointer.restore(resume_step, trainer.abstract_state(), iterator)
+            if meta["tokenizer_sha256"] != tokenizer.sha256:
+                raise CheckpointError(f"{run_dir / 'tokenizer.model'} is not the tokenizer the "
+                                      f"checkpoint was trained with")
+            _say(lead, f"resumed {run_dir} from step {resume_step}")
+        writer = MetricsWriter(run_dir, resume_step)
+        closing.callback(writer.close)
+        stop = _StopFlag()
+        closing.callback(stop.restore)
         state, step, stopped = _loop(cfg, trainer, state, iterator, tokenizer, checkpointer,
                                      writer, stop, mesh)
         summary = {"step": step, "stopped_early": stopped, "eval": {}, "sample": ""}
@@ -130,10 +173,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             summary["eval"] = evaluate(cfg, trainer, state["params"], tokenizer, mesh)
             writer.write(step, "eval", summary["eval"])
             _say(lead, f"validation after {step} steps: {_describe(summary['eval'])}")
-    finally:
-        checkpointer.close()
-        writer.close()
-        stop.restore()
     if cfg.run.sample_tokens:
         summary["sample"] = generate(
             lambda p, t: trainer.model(p)(t), state["params"], tokenizer, cfg.run.sample_prompt,
@@ -168,7 +207,8 @@ def _loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer, stop, 
             checkpointer.wait()
             raise TrainingDiverged(
                 f"non-finite training metrics at step {step}: loss {metrics['loss']}, gradient "
-                f"norm {metrics['grad_norm']}. Nothing was saved after it: the latest good "
+                f"norm {metrics['grad_norm']}, norm of the updated parameters "
+                f"{metrics['param_norm']}. Nothing was saved after it: the latest good "
                 f"checkpoint is step {checkpointer.latest_step()} in {checkpointer.directory}. "
                 f"Lower optimizer.lr or raise optimizer.warmup_steps, then resume.")
         window_steps += 1
@@ -220,18 +260,26 @@ def evaluate(cfg: TrainConfig, trainer: Trainer, params: dict, tokenizer: Tokeni
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": stats.bits_per_byte(loss)}
 
 
-def _check_resumed_config(cfg: TrainConfig, run_dir: Path, lead: bool) -> None:
-    """A resumed run keeps the model and data config of its config.yaml (ValueError
-    otherwise). A changed `optimizer` section or `run.steps` is allowed (to train longer, say),
-    but it reshapes the learning-rate schedule from the resume step on, so it is reported."""
+def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
+                          lead: bool) -> None:
+    """A resumed run keeps the model and data config of its config.yaml (data fields outside
+    the token stream aside, `DataConfig.NOT_IN_TOKEN_STREAM`), and run.steps is at least the
+    resume step (ValueError otherwise). A changed `optimizer` section or `run.steps` is allowed
+    (to train longer, say), but it reshapes the learning-rate schedule from the resume step on,
+    so it is reported."""
+    if cfg.run.steps < resume_step:
+        raise ValueError(f"run.steps = {cfg.run.steps} but the run in {run_dir} has taken "
+                         f"{resume_step} steps already; give run.steps >= {resume_step}, or "
+                         "another run.dir")
     saved, given = load_config(run_dir / "config.yaml").to_dict(), cfg.to_dict()
 
     def diff(section, keys=None):
         old, new = saved[section], given[section]
         return {f"{section}.{k}": (old[k], new[k]) for k in keys or old if old[k] != new[k]}
 
-    for section in ("model", "data"):
-        if changed := diff(section):
+    data_keys = [k for k in saved["data"] if k not in DataConfig.NOT_IN_TOKEN_STREAM]
+    for section, keys in (("model", None), ("data", data_keys)):
+        if changed := diff(section, keys):
             raise ValueError(f"{run_dir} holds a run with a different {section} config "
                              f"(saved, given): {changed}; use another run.dir")
     if changed := {**diff("optimizer"), **diff("run", ["steps"])}:

@@ -31,6 +31,7 @@ import numpy as np
 from tensorboardX import SummaryWriter
 
 from cem_jax.config import ModelConfig
+from cem_jax.data.cache import atomic_file
 
 # Peak dense bf16 FLOP/s per device, by whole words of `jax.Device.device_kind` (vendor
 # sheets); the first name that matches wins, so a longer name precedes its prefix.
@@ -102,13 +103,23 @@ def peak_flops(configured: float | None) -> tuple[float, str]:
 
 class MetricsWriter:
     """Append metric records to `run_dir/metrics.jsonl` and TensorBoard event files in
-    `run_dir/tensorboard`; a no-op on processes other than 0."""
+    `run_dir/tensorboard`; a no-op on processes other than 0.
 
-    def __init__(self, run_dir: Path):
+    A run resumed from step N (`resume_step`) trains steps N+1, ... again: the records of
+    those steps that a killed process had logged are dropped from metrics.jsonl (rewritten
+    atomically), and TensorBoard purges them (`purge_step`), so each step is logged once."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
         self.active = jax.process_index() == 0
         if self.active:
-            self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a")  # noqa: SIM115
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            path = Path(run_dir) / "metrics.jsonl"
+            if resume_step is not None and path.is_file():
+                lines = path.read_bytes().splitlines(keepends=True)
+                with atomic_file(path) as f:
+                    f.writelines(line for line in lines if _logged_by(line, resume_step))
+            self.jsonl = open(path, "a")  # noqa: SIM115
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"),
+                                    purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, step: int, kind: str, values: dict[str, float]) -> None:
         """One record {"step", "kind" ("train"/"eval"), "time", **values}; TensorBoard tags
@@ -127,3 +138,12 @@ class MetricsWriter:
         if self.active:
             self.jsonl.close()
             self.tb.close()
+
+
+def _logged_by(line: bytes, step: int) -> bool:
+    """Whether a metrics.jsonl line is a whole record of a step ≤ `step` (a kill can tear the
+    last line)."""
+    try:
+        return json.loads(line)["step"] <= step
+    except (ValueError, KeyError, TypeError):
+        return False

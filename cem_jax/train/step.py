@@ -126,9 +126,12 @@ class Trainer:
             poison = jnp.where(state["step"] + 1 == self.debug_nan_step, jnp.nan, 1.0)
             loss, grads = jax.tree.map(lambda x: x * poison.astype(x.dtype), (loss, grads))
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
-        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
-                     "step": state["step"] + 1}
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        new_params = optax.apply_updates(params, updates)
+        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
+        # The updated parameters' norm: a step whose loss and gradients are finite can still
+        # overflow them (a huge learning rate), and the loop saves nothing non-finite.
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                           "param_norm": optax.tree.norm(new_params)}
 
     def _eval_step(self, params: dict, batch: Batch):
         logits = self.logits(params, batch)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from cem_jax.data import HELD_OUT_WORKS, load_tokenizer
 from cem_jax.data.cli import main
@@ -57,6 +58,19 @@ def test_bad_input_is_one_line_and_exit_status_1(tmp_path, capsys):
     assert err.startswith("cem-data tokenize: error: ") and "byte offset 3" in err
     assert main(["inspect", "--seq-len", "0"]) == 1
     assert "'seq_len' = 0 is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cache_dir", ["cache", "cache/sub"])
+@pytest.mark.parametrize("command", ["fetch", "tokenize"])
+def test_a_cache_dir_in_a_file_is_a_clear_error(tmp_path, capsys, command, cache_dir):
+    (tmp_path / "cache").write_text("a file\n")
+    (tmp_path / "a.txt").write_text("some text\n")
+    assert main([command, "--cache-dir", str(tmp_path / cache_dir), "--corpus",
+                 str(tmp_path / "a.txt")]) == 1
+    assert capsys.readouterr().err == (
+        f"cem-data {command}: error: the cache directory {tmp_path / cache_dir} cannot be used: "
+        f"{tmp_path / 'cache'} is a file; set data.cache_dir (cem-data --cache-dir) or "
+        f"$CEM_JAX_CACHE to a directory\n")
 
 
 def test_console_script_is_installed():

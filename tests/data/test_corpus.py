@@ -123,6 +123,14 @@ def test_arrayrecord_invalid_utf8_names_record(tmp_path):
         docs(str(path))
 
 
+def test_a_text_file_given_as_arrayrecord_is_named(tmp_path):
+    path = tmp_path / "tiny.txt"
+    path.write_text("plain text, not ArrayRecord\n")
+    with pytest.raises(ValueError, match=rf"{path} is not an ArrayRecord file \(.*\): name a "
+                                         r"text or JSONL file as text:PATH"):
+        docs(f"arrayrecord:{path}")
+
+
 def test_fingerprint_follows_the_files(tmp_path):
     path = tmp_path / "a.txt"
     path.write_text("one")

