@@ -349,7 +349,10 @@ while true; do
   ensure_ready "$state"
   rc=0
   attempt || rc=$?
-  if [[ $rc == 0 ]]; then
+  if [[ $rc == 0 && $DRY_RUN == 1 ]]; then
+    say "dry run: the commands above were printed, nothing was run"
+    exit 0
+  elif [[ $rc == 0 ]]; then
     say "training finished; run directory $RUN_DIR"
     exit 0
   fi

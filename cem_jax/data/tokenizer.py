@@ -139,7 +139,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
             num_threads=os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as err:
         raise ValueError(f"sentencepiece could not train a {vocab_size}-piece BPE model on "
-                         f"this text: {err}") from None
+                         f"this text: {err} (a small corpus holds too few distinct pieces: "
+                         f"lower data.vocab_size and model.vocab_size together, or give a "
+                         f"trained tokenizer as data.tokenizer)") from None
     tokenizer = Tokenizer(model.getvalue())
     if out_path is not None:
         tokenizer.save(out_path)

@@ -367,6 +367,7 @@ def test_tpu_dry_run_prints_the_commands_and_runs_nothing(fake_tpu):
     assert [line.split()[4] for line in lines[2:]] == ["describe", "scp", "ssh", "ssh", "ssh",
                                                        "ssh"]
     assert "model.steps=2" in lines[5] and "--worker=all" in lines[5]  # the launch
+    assert "nothing was run" in proc.stderr and "training finished" not in proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [
