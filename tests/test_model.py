@@ -18,17 +18,19 @@ SMALL = dict(vocab_size=40, d_model=16, num_layers=2, num_heads=4, mlp_dim=24, i
              attention_block=4)
 TOKENS = jax.random.randint(jax.random.PRNGKey(0), (2, 10), 0, 40)
 
-# Every tie mix × interaction × position; GQA, preconditioner, steps and diagonal cycle through
-# the rows so that each of their values meets each of those (the sub-layer tests in
-# test_updates.py cover the full product of the step options). Two more rows take gradients
-# through the norm (gradient_wrt="residual"): a scalar P is folded into the output projections
-# there, a diagonal one is not.
+# Every tie mix × interaction (DPLR only with tied attention) × position; GQA, preconditioner,
+# steps and diagonal cycle through the rows so that each of their values meets each of those
+# (the sub-layer tests in test_updates.py cover the full product of the step options). Two more
+# rows take gradients through the norm (gradient_wrt="residual"): a scalar P is folded into the
+# output projections there, a diagonal one is not.
 VARIANTS = [
     dict(tie_attention=ta, tie_mlp=tm, interaction=i, position=p, num_kv_heads=(4, 2)[n % 2],
          preconditioner=("none", "scalar", "diag", "dplr")[n % 4], steps=1 + n % 3,
          diagonal=("per_head", "shared")[n // 2 % 2])
-    for n, (ta, tm, i, p) in enumerate(itertools.product(
-        [True, False], [True, False], ["lowrank", "dplr"], ["rope", "none"]))
+    for n, (ta, tm, i, p) in enumerate(
+        (ta, tm, i, p) for ta, tm, i, p in itertools.product(
+            [True, False], [True, False], ["lowrank", "dplr"], ["rope", "none"])
+        if ta or i == "lowrank")  # the diagonal term belongs to the tied attention energy
 ] + [dict(gradient_wrt="residual", preconditioner=p, steps=2) for p in ("scalar", "diag")]
 
 

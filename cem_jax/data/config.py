@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 from cem_jax.config import require
 
 MIN_VOCAB_SIZE = 320  # 4 special ids + 256 byte pieces + room for the corpus' characters
+# DataConfig fields that say where the data is cached or how fast it is read, not which tokens
+# a run sees (the archive is checked by its SHA-256): a resumed run may change them.
+NOT_IN_TOKEN_STREAM = ("num_threads", "prefetch", "cache_dir", "shakespeare_archive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +50,6 @@ class DataConfig:
     allow_invalid_utf8: bool = False
     cache_dir: str | None = None
     shakespeare_archive: str | None = None
-
-    # Fields that say where the data is cached or how fast it is read, not which tokens a run
-    # sees (the archive is checked by its SHA-256): a resumed run may change them.
-    NOT_IN_TOKEN_STREAM: ClassVar[tuple[str, ...]] = ("num_threads", "prefetch", "cache_dir",
-                                                       "shakespeare_archive")
 
     def __post_init__(self):
         self.validate()

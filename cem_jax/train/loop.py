@@ -33,7 +33,6 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from cem_jax.data import (
-    DataConfig,
     Tokenizer,
     build_tokenizer,
     load_tokenizer,
@@ -41,6 +40,7 @@ from cem_jax.data import (
     make_eval_batches,
     make_train_iterator,
 )
+from cem_jax.data.config import NOT_IN_TOKEN_STREAM
 from cem_jax.data.shakespeare import FetchError
 from cem_jax.train.checkpoint import Checkpointer, CheckpointError
 from cem_jax.train.config import TrainConfig, load_config, save_config
@@ -263,7 +263,7 @@ def evaluate(cfg: TrainConfig, trainer: Trainer, params: dict, tokenizer: Tokeni
 def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
                           lead: bool) -> None:
     """A resumed run keeps the model and data config of its config.yaml (data fields outside
-    the token stream aside, `DataConfig.NOT_IN_TOKEN_STREAM`), and run.steps is at least the
+    the token stream aside, `NOT_IN_TOKEN_STREAM`), and run.steps is at least the
     resume step (ValueError otherwise). A changed `optimizer` section or `run.steps` is allowed
     (to train longer, say), but it reshapes the learning-rate schedule from the resume step on,
     so it is reported."""
@@ -277,7 +277,7 @@ def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
         old, new = saved[section], given[section]
         return {f"{section}.{k}": (old[k], new[k]) for k in keys or old if old[k] != new[k]}
 
-    data_keys = [k for k in saved["data"] if k not in DataConfig.NOT_IN_TOKEN_STREAM]
+    data_keys = [k for k in saved["data"] if k not in NOT_IN_TOKEN_STREAM]
     for section, keys in (("model", None), ("data", data_keys)):
         if changed := diff(section, keys):
             raise ValueError(f"{run_dir} holds a run with a different {section} config "

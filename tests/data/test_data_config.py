@@ -22,7 +22,7 @@ def test_defaults_describe_the_tiny_run():
     ("tokenizer", 3, "null or a non-empty string"),
     ("vocab_size", 100, ">= 320"),
     ("vocab_size", 2048.0, ">= 320"),
-    ("seq_len", 0, "positive integer"),
+    ("seq_len", 1, "an integer >= 2"),
     ("batch_size", -4, "positive integer"),
     ("batch_size", True, "positive integer"),
     ("num_threads", -1, "non-negative integer"),
