@@ -97,7 +97,7 @@ def from_llama(config: dict, tensors: dict[str, np.ndarray]
     """A Hugging Face Llama (config.json dict, state dict as numpy) → (baseline ModelConfig,
     fp32 tensors under our names: `unflat_params` makes them a model's parameters).
     Raises ExportError naming a feature we cannot express (biases, rope scaling, another
-    activation) or a missing tensor."""
+    activation), a missing config key or a missing tensor."""
     rope = config.get("rope_parameters") or {"rope_type": "default",
                                              "rope_theta": config.get("rope_theta", 10000.0)}
     problems = [f"{k}=true" for k in ("attention_bias", "mlp_bias") if config.get(k)]
@@ -108,6 +108,10 @@ def from_llama(config: dict, tensors: dict[str, np.ndarray]
     if problems:
         raise ExportError("cannot import this Llama as a cem_jax baseline: "
                           + ", ".join(problems) + " not supported")
+    required = ("num_attention_heads", "hidden_size", "vocab_size", "num_hidden_layers",
+                "intermediate_size")
+    if missing := [k for k in required if k not in config]:
+        raise ExportError(f"the Llama's config.json lacks {', '.join(missing)}")
     H = config["num_attention_heads"]
     D = config["hidden_size"]
     tied = bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors

@@ -10,7 +10,7 @@ from export_helpers import torch_logits
 from helpers import random_params
 
 from cem_jax.config import ModelConfig
-from cem_jax.export.hf_llama import export_hf_llama
+from cem_jax.export.hf_llama import export_hf_llama, from_llama
 from cem_jax.export.importer import import_llama, read_llama_dir
 from cem_jax.export.output import ExportError
 from cem_jax.rundir import load_run, model_from_params
@@ -101,3 +101,12 @@ def test_a_damaged_llama_file_is_named(tmp_path, tokenizer, name, damage, messag
     (out / name).write_bytes(damage)
     with pytest.raises(ExportError, match=f"{out / name} {message}"):
         read_llama_dir(out)
+
+
+def test_a_llama_config_without_its_sizes_is_named(tmp_path, tokenizer):
+    cfg = ModelConfig(**BASELINE)
+    out = export_hf_llama(random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "llama")
+    config, tensors = read_llama_dir(out)
+    del config["hidden_size"], config["intermediate_size"]
+    with pytest.raises(ExportError, match="config.json lacks hidden_size, intermediate_size"):
+        from_llama(config, tensors)
