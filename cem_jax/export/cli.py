@@ -62,18 +62,11 @@ def import_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
-    from cem_jax.config import load_yaml
-    from cem_jax.export.importer import LLAMA_FIELDS, import_llama
+    from cem_jax.export.importer import import_llama
     from cem_jax.export.output import ExportError, check_destination
 
     try:
         check_destination(args.out, args.overwrite, args.hf)
-        model = load_yaml(args.config).get("model") if args.config is not None else None
-        ignored = [n for n in LLAMA_FIELDS if isinstance(model, dict) and n in model]
-        if ignored:
-            print(f"cem-import: note: model.{', model.'.join(ignored)} of {args.config} ignored: "
-                  f"the architecture comes from the Hugging Face config.json in {args.hf}",
-                  file=sys.stderr)
         out = import_llama(args.hf, args.out, args.config, args.overrides, args.overwrite)
     except (ExportError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"cem-import: error: {err}", file=sys.stderr)

@@ -12,6 +12,7 @@ that directory resumes from step 0, i.e. fine-tunes the imported weights.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import safetensors
@@ -73,7 +74,8 @@ def _read_json(path: Path) -> dict:
 
 def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | None = None,
                  overrides: list[str] = (), overwrite: bool = False) -> Path:
-    """Write a baseline run directory `out` from the Llama in `hf_dir` (atomically).
+    """Write a baseline run directory `out` from the Llama in `hf_dir` (atomically); a note on
+    stderr names the `LLAMA_FIELDS` of the config's model section, which are not used.
 
     Raises ExportError (not an importable Llama), FileNotFoundError (no tokenizer.model: the
     run needs the sentencepiece model), ValueError (an invalid config, or an override of one
@@ -89,6 +91,11 @@ def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | 
     model_cfg, flat = from_llama(llama_cfg, tensors)
     tokenizer = load_tokenizer(hf_dir / "tokenizer.model", model_cfg.vocab_size)
     values = load_yaml(config_path) if config_path is not None else {}
+    model = values.get("model")
+    if ignored := [n for n in LLAMA_FIELDS if isinstance(model, dict) and n in model]:
+        print(f"cem-import: note: model.{', model.'.join(ignored)} of {config_path} ignored: "
+              f"the architecture comes from the Hugging Face config.json in {hf_dir}",
+              file=sys.stderr)
     values = apply_overrides(values, list(overrides))
     with staged_dir(out, overwrite) as stage:
         final = Path(out).absolute()
