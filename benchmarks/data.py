@@ -19,8 +19,8 @@ from pathlib import Path
 import jax
 
 from cem_jax.data import DataConfig, build_tokenizer, make_train_iterator
+from cem_jax.sharding import global_batch, make_mesh
 from cem_jax.train.config import TrainConfig, load_config
-from cem_jax.train.sharding import global_batch, make_mesh
 from cem_jax.train.step import Trainer
 
 REQUIRED_RATIO = 20.0

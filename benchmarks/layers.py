@@ -31,8 +31,8 @@ def attention_sublayer(B=8, T=512, D=512, H=8):
     def make(impl):
         def loss(params, x):
             mixer = tied_attention_mixer(params, spec, None, None)
-            out, _ = run_steps(x, mixer, norm_scale=jnp.ones(D), eps=1e-5,
-                               precond=lambda u: u, impl=impl)
+            out, _, _ = run_steps(x, mixer, norm_scale=jnp.ones(D), eps=1e-5,
+                                  precond=lambda u: u, impl=impl)
             return jnp.sum(out**2)
 
         step = jax.jit(jax.grad(loss, argnums=(0, 1)))

@@ -1,7 +1,8 @@
 """Model configuration: one validated dataclass, loadable from YAML with `key=value` overrides.
 
 The YAML file of an experiment has sections (`model:`, and later `data:`, `optimizer:`, ...);
-`load_yaml` reads it, `apply_overrides` applies `section.key=value` strings (values are parsed as
+`load_yaml` reads it (with the chain of files it names as `base:`, whose values it overrides
+section by section), `apply_overrides` applies `section.key=value` strings (values are parsed as
 YAML scalars, so `steps=2`, `tie_mlp=false`, `dtype=bfloat16` all work), and `from_dict` builds a
 dataclass, rejecting unknown keys. Every check raises `ValueError` naming the field, the value and
 what is allowed (DESIGN.md §1 gives the meaning of each CEM option).
@@ -12,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
-from cem_jax.energies import ACTIVATIONS
+from cem_jax.energies import ACTIVATIONS, ROPE_TYPES, RopeScaling
 from cem_jax.updates import IMPLS
 
 T = TypeVar("T")
@@ -52,6 +54,11 @@ class ModelConfig:
       gradient_wrt: "normalized" (gradient in y = RMSNorm(x), as a pre-norm block does) or
         "residual" (through the norm, with respect to x; a true descent step on x).
       position: "rope" or "none" (NoPE).
+      rope_theta: RoPE's base θ (frequencies θ^(-2i/K)).
+      rope_type: RoPE's frequency scaling, as Hugging Face names it: "default" (none),
+        "linear" (frequencies / rope_factor) or "llama3" (Llama 3.1: by wavelength, with
+        rope_factor, rope_low_freq_factor, rope_high_freq_factor and the pretraining context
+        rope_original_max_position); formulas in `cem_jax.energies.RopeScaling`.
       activation: σ of the MLP, "silu" | "gelu" | "relu" or one added with
         `cem_jax.energies.register_activation` (its antiderivative Φ is the MLP energy's).
       impl: "autodiff" (-jax.grad of the energy), "xla" (closed form) or "pallas" (closed
@@ -79,6 +86,11 @@ class ModelConfig:
     gradient_wrt: str = "normalized"
     position: str = "rope"
     rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
@@ -102,18 +114,25 @@ class ModelConfig:
         """K, the width of one head (defaults to D // H)."""
         return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
 
+    @property
+    def rope_scaling(self) -> RopeScaling:
+        """The `rope_*` scaling fields as the `RopeScaling` of the attention layers."""
+        return RopeScaling(self.rope_type, self.rope_factor, self.rope_low_freq_factor,
+                           self.rope_high_freq_factor, self.rope_original_max_position)
+
     def validate(self) -> None:
         """Raise `ValueError` naming the first field that is out of range or inconsistent."""
         check_field_types(self)
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "steps",
-                     "preconditioner_rank", "attention_block"):
+                     "preconditioner_rank", "attention_block", "rope_original_max_position"):
             require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
                      getattr(self, name), "a positive integer")
         for name, allowed in (("activation", tuple(ACTIVATIONS)), ("interaction", INTERACTIONS),
                               ("diagonal", DIAGONALS), ("preconditioner", PRECONDITIONERS),
                               ("position", POSITIONS), ("impl", IMPLS),
                               ("gradient_wrt", GRADIENT_WRT), ("dtype", DTYPES),
-                              ("param_dtype", DTYPES), ("remat", REMAT)):
+                              ("param_dtype", DTYPES), ("remat", REMAT),
+                              ("rope_type", ROPE_TYPES)):
             require(getattr(self, name) in allowed, name, getattr(self, name),
                      "one of " + ", ".join(repr(a) for a in allowed))
         if self.head_dim is None:
@@ -128,8 +147,18 @@ class ModelConfig:
         g = self.kv_heads
         require(isinstance(g, int) and g >= 1 and self.num_heads % g == 0, "num_kv_heads", g,
                  f"a positive divisor of num_heads={self.num_heads} (GQA)")
-        for name in ("rope_theta", "norm_eps", "init_std"):
+        for name in ("rope_theta", "norm_eps", "init_std", "rope_factor", "rope_low_freq_factor"):
             require(float(getattr(self, name)) > 0, name, getattr(self, name), "> 0")
+        require(self.rope_high_freq_factor > self.rope_low_freq_factor, "rope_high_freq_factor",
+                self.rope_high_freq_factor,
+                f"> rope_low_freq_factor = {self.rope_low_freq_factor} (llama3 scaling)")
+        if self.rope_type == "default":
+            require(self.rope_factor == 1.0, "rope_factor", self.rope_factor,
+                    "1.0 with rope_type='default' (set rope_type to 'linear' or 'llama3' to "
+                    "scale RoPE)")
+        else:
+            require(self.position == "rope", "rope_type", self.rope_type,
+                    "'default' with position='none' (there is no RoPE to scale)")
         require(self.interaction == "lowrank" or self.tie_attention, "interaction",
                 self.interaction, "'lowrank' when tie_attention is false (the diagonal term "
                 "belongs to the CEM attention energy)")
@@ -199,9 +228,56 @@ def _as_float(value: Any) -> Any:
         return value
 
 
+BASE_KEY = "base"  # top-level key of a config file naming the file it inherits from
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into a dict; raises `FileNotFoundError`/`ValueError` clearly."""
-    path = Path(path)
+    """Read a YAML config file into a nested dict, its chain of `base:` files resolved.
+
+    A file may name `base: OTHER.yaml` (a path relative to the file itself); its values then
+    override the base's section by section: a mapping merges key by key into the base's
+    mapping (an empty section changes nothing), any other value replaces the base's. A base may
+    name its own base. Raises `FileNotFoundError` (no such file; a missing base names both
+    files) or `ValueError` (not UTF-8 YAML holding a mapping, a `base:` that is not a path, a
+    cycle of bases).
+    """
+    return _resolve_bases(Path(path), ())
+
+
+def _resolve_bases(path: Path, named_by: tuple[Path, ...]) -> dict[str, Any]:
+    """`path`'s values over those of its bases; `named_by`: the files that led to it."""
+    values = _read_yaml(path)
+    if BASE_KEY not in values:
+        return values
+    base = values.pop(BASE_KEY)
+    if not isinstance(base, str) or not base.strip():
+        raise ValueError(f"config file {str(path)!r}: base must be the path of a YAML file "
+                         f"(relative to this file), not {base!r}")
+    base_path, chain = path.parent / base, (*named_by, path)
+    if base_path.resolve() in {p.resolve() for p in chain}:
+        cycle = " -> ".join(str(p) for p in (*chain, base_path))
+        raise ValueError(f"config file {str(path)!r} names base {base!r}, which leads back to "
+                         f"itself ({cycle}); remove one of these base: lines")
+    if not base_path.is_file():
+        what = "is a directory" if base_path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"config file {str(path)!r} names base {base!r}, but "
+                                f"{str(base_path)!r} {what} (a base is a path relative to "
+                                f"the file that names it)")
+    return _merge(_resolve_bases(base_path, chain), values)
+
+
+def _merge(base: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """`values` over `base`: mappings merge key by key, any other value replaces."""
+    out = dict(base)
+    for key, value in values.items():
+        if isinstance(out.get(key), dict) and (value is None or isinstance(value, dict)):
+            value = _merge(out[key], value or {})
+        out[key] = value
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """One YAML file as a dict; raises `FileNotFoundError`/`ValueError` naming the file."""
     if path.is_dir():
         raise ValueError(f"config file {str(path)!r} is a directory; give a YAML file in it")
     if not path.is_file():
@@ -249,10 +325,22 @@ def _scalar(raw: str) -> Any:
     return value if value is None or isinstance(value, str | int | float | bool) else raw
 
 
-def load_model_config(path: str | Path | None = None, overrides: list[str] = ()) -> ModelConfig:
-    """The `model:` section of a YAML file (or defaults when `path` is None), with overrides
-    given as `model.key=value` or plain `key=value`."""
-    values = load_yaml(path) if path is not None else {}
-    values = apply_overrides(values, [o if "." in o.split("=")[0] else f"model.{o}"
-                                      for o in overrides])
-    return from_dict(ModelConfig, values.get("model") or {}, section="model")
+def load_section(cls: type[T], section: str, path: str | Path | None = None,
+                 overrides: Sequence[str] = ()) -> T:
+    """Section `section` of YAML file `path` (its bases resolved; None: all defaults) as
+    dataclass `cls`, with overrides given as `section.key=value` (as `cem-train` takes them)
+    or plain `key=value`. Raises `ValueError` for an override of another section (only this
+    one is read), and as `load_yaml`, `apply_overrides` and `from_dict` do."""
+    overrides = [o if "." in o.partition("=")[0] else f"{section}.{o}" for o in overrides]
+    for item in overrides:
+        if item.partition("=")[0].split(".")[0] != section:
+            raise ValueError(f"override {item!r} is not in section {section!r}, the only "
+                             f"one read here")
+    values = apply_overrides(load_yaml(path) if path is not None else {}, overrides)
+    return from_dict(cls, values.get(section) or {}, section=section)
+
+
+def load_model_config(path: str | Path | None = None,
+                      overrides: Sequence[str] = ()) -> ModelConfig:
+    """The `model:` section of a YAML file (see `load_section`)."""
+    return load_section(ModelConfig, "model", path, overrides)

@@ -106,9 +106,59 @@ def get_activation(name: str) -> Activation:
 # ----------------------------------------------------------------------------------------------
 
 
-def rope_tables(positions: Array, head_dim: int, theta: float = 10000.0) -> tuple[Array, Array]:
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies are rescaled to stretch a model's context, named and computed as
+    the `rope_type`s of Hugging Face transformers (`modeling_rope_utils.py`, v5):
+
+      default  no scaling
+      linear   every frequency divided by `factor` (position interpolation: positions / factor)
+      llama3   (Llama 3.1) by wavelength λ = 2π/ω against the pretraining context N =
+               `original_max_position`: λ < N/high_freq_factor kept, λ > N/low_freq_factor
+               divided by `factor`, in between (1-s)·ω/factor + s·ω with
+               s = (N/λ - low_freq_factor) / (high_freq_factor - low_freq_factor)
+
+    `ModelConfig` validates the values (its `rope_*` fields); the defaults are no scaling.
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+def rope_frequencies(head_dim: int, theta: float = 10000.0,
+                     scaling: RopeScaling = RopeScaling()) -> Array:
+    """RoPE's angular frequency of each feature pair, fp32 [K/2] in radians per position:
+    ω_i = theta^(-2i/K), then `scaling` (`RopeScaling`). Raises ValueError for an unknown
+    `scaling.rope_type`."""
+    half = head_dim // 2
+    omega = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    kind, factor = scaling.rope_type, scaling.factor
+    if kind == "default":
+        return omega
+    if kind == "linear":
+        return omega / factor
+    if kind == "llama3":
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        wavelength = 2 * math.pi / omega
+        context = scaling.original_max_position
+        s = (context / wavelength - low) / (high - low)
+        between = (1 - s) * omega / factor + s * omega
+        return jnp.where(wavelength < context / high, omega,
+                         jnp.where(wavelength > context / low, omega / factor, between))
+    raise ValueError(f"unknown rope_type {kind!r}; known: {', '.join(ROPE_TYPES)}")
+
+
+def rope_tables(positions: Array, head_dim: int, theta: float = 10000.0,
+                scaling: RopeScaling = RopeScaling()) -> tuple[Array, Array]:
     """cos and sin of the RoPE angles at integer `positions` [B,T]: fp32 [B,1,T,K/2] each
-    (frequency theta^(-2i/K) for feature pair i; compute once, rotate many heads with them).
+    (angle t·ω_i for feature pair i, `rope_frequencies`; compute once, rotate many heads with
+    them).
 
     The tables leave through an identity gather. XLA's fusion (CPU, JAX 0.10.2) counts cos and
     sin as cheap and recomputes them inside every fusion that reads the tables: the rotations of
@@ -117,9 +167,8 @@ def rope_tables(positions: Array, head_dim: int, theta: float = 10000.0) -> tupl
     model's queries: 1.85 ms with cos/sin fused in, 0.38 ms reading the tables; the tied
     model's train step ~11% faster; DESIGN.md §6).
     """
-    half = head_dim // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, None, :, None] * inv_freq
+    omega = rope_frequencies(head_dim, theta, scaling)
+    angles = positions.astype(jnp.float32)[:, None, :, None] * omega
     tables = jnp.stack([jnp.cos(angles), jnp.sin(angles)])
     cos, sin = jnp.take(tables, jnp.arange(2), axis=0)
     return cos, sin
@@ -135,10 +184,11 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def rope(x: Array, positions: Array, theta: float = 10000.0) -> Array:
+def rope(x: Array, positions: Array, theta: float = 10000.0,
+         scaling: RopeScaling = RopeScaling()) -> Array:
     """RoPE of heads-major `x` [B,N,T,K] at `positions` [B,T]; `rope(x, -positions)` is the
     inverse rotation R_tᵀ. (`apply_rope` with `rope_tables`.)"""
-    return apply_rope(x, *rope_tables(positions, x.shape[-1], theta))
+    return apply_rope(x, *rope_tables(positions, x.shape[-1], theta, scaling))
 
 
 def attention_mask(segment_ids: Array | None, seq_len: int) -> Array:
@@ -165,8 +215,8 @@ def default_positions(batch: int, seq_len: int) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    """Static settings of one attention sub-layer: H, G, K, RoPE, and the query block size of
-    the closed-form update (it does not change the math)."""
+    """Static settings of one attention sub-layer: H, G, K, RoPE (theta and `RopeScaling`), and
+    the query block size of the closed-form update (it does not change the math)."""
 
     num_heads: int
     num_kv_heads: int
@@ -174,6 +224,7 @@ class AttentionSpec:
     use_rope: bool = True
     rope_theta: float = 10000.0
     block_size: int = 128  # query block of the closed form's causal block skipping
+    rope_scaling: RopeScaling = RopeScaling()
 
     @property
     def beta(self) -> float:
@@ -192,7 +243,7 @@ def attention_logits(params: dict, y: Array, c: Array, positions: Array, spec: A
     q = jnp.einsum("btd,dhk->bhtk", y, params["query"])
     k = jnp.einsum("btd,dgk->bgtk", c, params["key"])
     if spec.use_rope:
-        q, k = rope(q, positions, spec.rope_theta), rope(k, positions, spec.rope_theta)
+        q, k = (rope(a, positions, spec.rope_theta, spec.rope_scaling) for a in (q, k))
     q = q.reshape(B, G, R, T, -1)
     logits = jnp.einsum("bgrtk,bgsk->bgrts", q, k, preferred_element_type=jnp.float32)
     if "diag" in params:

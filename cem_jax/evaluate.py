@@ -1,9 +1,12 @@
-"""`cem-eval --run DIR [--step N] [--text FILE | --corpus validation|milton]`: loss (nats per
-token), perplexity and bits per byte of a checkpoint on any text, with a progress bar.
+"""Evaluation: loss (nats per token), perplexity and bits per byte of a model's parameters on a
+split or any text. One function, `evaluate`, serves training's periodic validation and
+`cem-eval --run DIR [--step N] [--text FILE | --corpus validation|milton]`.
 
 The text is packed and batched as training's validation split is (`cem_jax.data`: documents
 separated by EOS, attention inside a document, the run's seq_len and batch size), and every
-target is counted once, so bits per byte is exact: loss·tokens / bytes / ln 2.
+target is counted once, so bits per byte is exact: loss·tokens / bytes / ln 2. An evaluation of
+only the first batches (training's `run.eval_batches`) reports `bits_per_byte_est` instead: the
+loss of those tokens at the whole split's bytes per token.
 """
 
 from __future__ import annotations
@@ -12,29 +15,118 @@ import argparse
 import dataclasses
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
+import optax
 from tqdm import tqdm
 
-from cem_jax.data import load_tokens, make_eval_batches
-from cem_jax.rundir import Run, load_run, quiet_checkpoint_logs
-from cem_jax.train.checkpoint import CheckpointError
-from cem_jax.train.config import MeshConfig
-from cem_jax.train.sharding import global_batch, make_mesh
-from cem_jax.train.step import Trainer
+from cem_jax.config import ModelConfig
+from cem_jax.data import DataConfig, Tokenizer, load_tokens, make_eval_batches
+from cem_jax.model import abstract_params, model_from_params
+from cem_jax.sharding import (
+    batch_sharding,
+    global_batch,
+    local_mesh,
+    param_shardings,
+    replicated,
+)
+
+if TYPE_CHECKING:  # rundir imports the training stack, which imports this module
+    from cem_jax.rundir import Run
+
+Batch = dict[str, jax.Array]
+EvalStep = Callable[[dict, Batch], tuple[jax.Array, jax.Array]]
+
+
+def batch_logits(cfg: ModelConfig, params: dict, batch: Batch,
+                 mesh: jax.sharding.Mesh) -> jax.Array:
+    """fp32 logits [B,T,V] of int32 [B,T] `batch["inputs"]`, `positions`, `segment_ids`, traced
+    under `mesh` so that the model's activations are split over its batch axes
+    (`cem_jax.sharding.constrain`); the forward of the train and eval steps."""
+    model = model_from_params(cfg, params)  # built outside the mesh: its names are logical
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return model(batch["inputs"], batch["positions"], batch["segment_ids"])
+
+
+def make_eval_step(cfg: ModelConfig, mesh: jax.sharding.Mesh,
+                   params_sharding=None) -> EvalStep:
+    """The compiled eval step: (params, batch with "weights" fp32 [B,T]) → (Σ weights · cross
+    entropy in nats, Σ weights), fp32 scalars replicated on `mesh`. `params_sharding`: the
+    parameters' shardings (default: by their logical names on `mesh`)."""
+    if params_sharding is None:
+        params_sharding = param_shardings(*abstract_params(cfg), mesh)
+    batch = {k: batch_sharding(mesh) for k in ("inputs", "targets", "segment_ids", "positions",
+                                               "weights")}
+
+    def step(params, batch):
+        logits = batch_logits(cfg, params, batch, mesh)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        return jnp.sum(ce * batch["weights"]), jnp.sum(batch["weights"])
+
+    return jax.jit(step, in_shardings=(params_sharding, batch), out_shardings=replicated(mesh))
+
+
+def evaluate(params: dict, model_cfg: ModelConfig, data_cfg: DataConfig, tokenizer: Tokenizer,
+             mesh: jax.sharding.Mesh, *, split: str = "validation",
+             max_batches: int | None = None, eval_step: EvalStep | None = None,
+             progress: str | None = None) -> dict[str, float]:
+    """{"loss" (nats/token), "perplexity", "bits_per_byte"} of `params` on `split` of
+    `data_cfg` ("validation", or "milton"), over the whole split, or over its first
+    `max_batches` batches: then "bits_per_byte_est" (the whole split's bytes per token) in
+    place of "bits_per_byte". `eval_step`: a compiled `make_eval_step` to reuse; `progress`: a
+    description to show a progress bar with. Every process calls it (batches are split
+    across processes); each gets the same figures. Raises as `make_eval_batches`."""
+    batches = make_eval_batches(data_cfg, tokenizer, split)
+    stats = load_tokens(data_cfg, tokenizer, split).stats  # verified once per process
+    count = len(batches) if max_batches is None else min(max_batches, len(batches))
+    eval_step = eval_step or make_eval_step(model_cfg, mesh)
+    loss_sum = weight_sum = 0.0
+    with tqdm(total=stats.tokens if count == len(batches) else None, unit="tok", desc=progress,
+              disable=progress is None, dynamic_ncols=True) as bar:
+        for i in range(count):
+            loss, weight = jax.device_get(eval_step(params, global_batch(batches[i], mesh)))
+            loss_sum, weight_sum = loss_sum + float(loss), weight_sum + float(weight)
+            bar.update(int(weight))
+            bar.set_postfix(loss=f"{loss_sum / max(weight_sum, 1):.4f}")
+    loss = loss_sum / weight_sum
+    bpb = "bits_per_byte" if count == len(batches) else "bits_per_byte_est"
+    return {"loss": loss, "perplexity": math.exp(loss), bpb: stats.bits_per_byte(loss)}
+
+
+def bits_per_byte_of(result: dict[str, float]) -> float | None:
+    """An `evaluate` result's (or metrics record's) bits per byte: the exact figure, else the
+    estimate of a partial evaluation, else None."""
+    return result.get("bits_per_byte", result.get("bits_per_byte_est"))
+
+
+def describe(result: dict[str, float]) -> str:
+    """'loss 1.2345 nats/token, perplexity 3.44, bits per byte 0.6789' ('bits per byte
+    (estimate)' for a partial evaluation)."""
+    estimate = " (estimate)" if "bits_per_byte" not in result else ""
+    return (f"loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.2f}, "
+            f"bits per byte{estimate} {bits_per_byte_of(result):.4f}")
 
 
 def evaluate_run(run: Run, text: str | None = None, corpus: str = "validation",
-                 progress: bool = True, allow_invalid_utf8: bool = False) -> dict[str, float]:
-    """{"loss", "perplexity", "bits_per_byte", "tokens", "bytes"} of `run` on a corpus spec
-    `text` (a file, glob or `FORMAT:PATH` as `DataConfig.corpus` takes), or on the run's split
-    `corpus` ("validation" or "milton") when `text` is None. `allow_invalid_utf8` reads invalid
-    UTF-8 bytes as U+FFFD (as the run's data.allow_invalid_utf8 does).
+                 progress: bool = True, allow_invalid_utf8: bool = False,
+                 steps: int | None = None) -> dict[str, float]:
+    """`evaluate` of a loaded run (`cem_jax.rundir.Run`) on a corpus spec `text` (a file, glob
+    or `FORMAT:PATH` as `DataConfig.corpus` takes), or on the run's split `corpus`
+    ("validation" or "milton") when `text` is None, on the local devices; adds "tokens" and
+    "bytes" of the text. `allow_invalid_utf8` reads invalid UTF-8 bytes as U+FFFD (as the
+    run's data.allow_invalid_utf8 does). `steps`: run every sub-layer for this many CEM steps
+    instead of the trained `model.steps` (test-time recursion: the steps of a sub-layer share
+    its weights, DESIGN.md §1, so the same parameters serve any count).
 
-    Raises ValueError (unknown split, no validation split, empty or undecodable text),
-    FileNotFoundError (missing files), `cem_jax.data.FetchError` (built-in corpus unavailable).
+    Raises ValueError (unknown split, no validation split, empty or undecodable text, steps
+    < 1), FileNotFoundError (missing files), `cem_jax.data.FetchError` (built-in corpus
+    unavailable).
     """
+    model_cfg = run.config.model if steps is None else dataclasses.replace(run.config.model,
+                                                                           steps=steps)
     data = run.config.data
     if allow_invalid_utf8:
         data = dataclasses.replace(data, allow_invalid_utf8=True)
@@ -43,22 +135,10 @@ def evaluate_run(run: Run, text: str | None = None, corpus: str = "validation",
     elif corpus == "validation" and not data.has_validation:
         raise ValueError(f"{run.directory} was trained on {data.corpus!r} without a validation "
                          "split: evaluate a text instead (cem-eval --text FILE)")
-    mesh = make_mesh(MeshConfig(data=-1), jax.local_devices())
-    trainer = Trainer(run.config.model, run.config.optimizer, run.config.run.steps, mesh)
-    batches = make_eval_batches(data, run.tokenizer, corpus)
+    result = evaluate(run.params, model_cfg, data, run.tokenizer, local_mesh(), split=corpus,
+                      progress=f"evaluating {text or corpus}" if progress else None)
     stats = load_tokens(data, run.tokenizer, corpus).stats
-    loss_sum = weight_sum = 0.0
-    with tqdm(total=stats.tokens, unit="tok", desc=f"evaluating {text or corpus}",
-              disable=not progress, dynamic_ncols=True) as bar:
-        for batch in batches:
-            loss, weight = jax.device_get(trainer.eval_step(run.params, global_batch(batch,
-                                                                                      mesh)))
-            loss_sum, weight_sum = loss_sum + float(loss), weight_sum + float(weight)
-            bar.update(int(weight))
-            bar.set_postfix(loss=f"{loss_sum / max(weight_sum, 1):.4f}")
-    loss = loss_sum / weight_sum
-    return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte":
-            stats.bits_per_byte(loss), "tokens": stats.tokens, "bytes": stats.bytes}
+    return {**result, "tokens": stats.tokens, "bytes": stats.bytes}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,23 +154,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="a built-in split of the run (default: validation)")
     parser.add_argument("--allow-invalid-utf8", action="store_true",
                         help="read invalid UTF-8 bytes as U+FFFD instead of refusing the text")
+    parser.add_argument("--steps", type=positive_int, metavar="N",
+                        help="CEM steps per sub-layer (default: the trained count; the steps "
+                        "share their weights, so a run evaluates at any N; the checkpoint is "
+                        "not changed)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     from cem_jax.data import FetchError
+    from cem_jax.rundir import load_run, quiet_checkpoint_logs
+    from cem_jax.train.checkpoint import CheckpointError
 
     quiet_checkpoint_logs()
     try:
         run = load_run(args.run, args.step)
         result = evaluate_run(run, args.text, args.corpus, progress=not args.no_progress,
-                              allow_invalid_utf8=args.allow_invalid_utf8)
+                              allow_invalid_utf8=args.allow_invalid_utf8, steps=args.steps)
     except (FileNotFoundError, CheckpointError, FetchError, ValueError) as err:
         print(f"cem-eval: error: {err}", file=sys.stderr)
         return 1
-    what = args.text or args.corpus
-    print(f"{what} at step {run.step}: loss {result['loss']:.4f} nats/token, perplexity "
-          f"{result['perplexity']:.2f}, bits per byte {result['bits_per_byte']:.4f} "
+    recursion = f" with {args.steps} CEM steps per sub-layer" if args.steps else ""
+    print(f"{args.text or args.corpus} at step {run.step}{recursion}: {describe(result)} "
           f"({result['tokens']:,} tokens, {result['bytes']:,} bytes)")
     return 0
+
+
+def positive_int(text: str) -> int:
+    """argparse type: `text` as an integer >= 1; raises argparse.ArgumentTypeError otherwise."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
 """Flax NNX layers: RMSNorm, CEM (tied) and Llama (untied) attention and gated MLP,
 preconditioners, and the sub-layer / block that run the CEM steps (DESIGN.md §1).
 
-The modules only hold parameters (with logical axis names for sharding: "vocab", "embed",
-"heads", "kv_heads", "mlp", "norm"; `None` = replicated); the math is the pure functions of
-`cem_jax.energies` and `cem_jax.updates`. `constrain` pins an activation's sharding when the
-model is traced under a mesh (the train steps); without one it does nothing.
+The modules only hold parameters (with the logical axis names of `cem_jax.sharding`: "vocab",
+"embed", "heads", "kv_heads", "mlp", "norm"; `None` = replicated); the math is the pure
+functions of `cem_jax.energies` and `cem_jax.updates`.
 """
 
 from __future__ import annotations
@@ -14,10 +13,10 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
 
 from cem_jax.config import ModelConfig
 from cem_jax.energies import AttentionSpec, get_activation
+from cem_jax.kvcache import Cache, KVCache
 from cem_jax.updates import (
     Mixer,
     fold_preconditioner,
@@ -30,32 +29,6 @@ from cem_jax.updates import (
 )
 
 Array = jax.Array
-# Mesh axes that split the batch of every activation (the mesh is `cem_jax.train.sharding`'s).
-BATCH_AXES = ("data", "fsdp")
-
-
-def constrain(x: Array, *axes: str | tuple[str, ...] | None) -> Array:
-    """`x` constrained to be split over mesh `axes` (one entry per dimension: a mesh axis, a
-    tuple of them, or None) when traced under a mesh (`jax.sharding.use_abstract_mesh`, as
-    `cem_jax.train.step.Trainer` does); with no mesh it is `x` unchanged.
-
-    Mesh axes the mesh lacks are left out, and a dimension that its axes' total size does not
-    divide stays unsplit. The model pins its activations to `BATCH_AXES` on B: without this,
-    XLA's sharding propagation can follow a parameter sharded over "fsdp" (e.g. the tied
-    embedding's D) and compute whole-batch activations on every device.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    spec = []
-    for size, names in zip(x.shape, axes, strict=True):
-        names = tuple(n for n in ((names,) if isinstance(names, str) else names or ())
-                      if n in mesh.shape)
-        split = math.prod(mesh.shape[n] for n in names)
-        spec.append(names if names and size % split == 0 else None)
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
-
-
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], *,
           std: float | None = None, value: float = 0.0, dtype=jnp.float32) -> nnx.Param:
     """A parameter with logical axis names: normal(0, std) when `std` is given, else `value`."""
@@ -94,7 +67,7 @@ class Attention(nnx.Module):
         self.tied = cfg.tie_attention
         self.impl = cfg.impl
         self.spec = AttentionSpec(H, G, K, cfg.position == "rope", cfg.rope_theta,
-                                  cfg.attention_block)
+                                  cfg.attention_block, cfg.rope_scaling)
         self.query = param(rngs, (D, H, K), ("embed", "heads", None), std=std, dtype=dt)
         self.key = param(rngs, (D, G, K), ("embed", "kv_heads", None), std=std, dtype=dt)
         if not self.tied:
@@ -106,14 +79,16 @@ class Attention(nnx.Module):
             self.diag = param(None, shape, axes, value=0.0, dtype=dt)
 
     def mixer(self, positions: Array | None, segment_ids: Array | None, dtype,
-              out_scale: Array | None = None) -> Mixer:
-        """The sub-layer's `Mixer`; `out_scale` folds a preconditioner into the output (Wqᵀ/Wo)."""
+              out_scale: Array | None = None, cache: Cache | None = None) -> Mixer:
+        """The sub-layer's `Mixer`; `out_scale` folds a preconditioner into the output (Wqᵀ/Wo);
+        `cache` (this layer's `kvcache.Cache`, leaves [C,...]) is the context to read and write."""
         params = _values(self, ("query", "key", "value", "out", "diag"), dtype)
         if out_scale is not None:
             params["out_scale"] = out_scale.astype(dtype)
         if self.tied:
-            return tied_attention_mixer(params, self.spec, positions, segment_ids, impl=self.impl)
-        return llama_attention_mixer(params, self.spec, positions, segment_ids)
+            return tied_attention_mixer(params, self.spec, positions, segment_ids, impl=self.impl,
+                                        cache=cache)
+        return llama_attention_mixer(params, self.spec, positions, segment_ids, cache=cache)
 
 
 class MLP(nnx.Module):
@@ -130,9 +105,9 @@ class MLP(nnx.Module):
             self.down = param(rngs, (F, D), ("mlp", "embed"), std=std, dtype=dt)
 
     def mixer(self, positions: Array | None, segment_ids: Array | None, dtype,
-              out_scale: Array | None = None) -> Mixer:
+              out_scale: Array | None = None, cache: Cache | None = None) -> Mixer:
         """The sub-layer's `Mixer`; `out_scale` folds a preconditioner into the output."""
-        del positions, segment_ids  # token-wise
+        del positions, segment_ids, cache  # token-wise
         params = _values(self, ("gate", "up", "down"), dtype)
         if out_scale is not None:
             params["out_scale"] = out_scale.astype(dtype)
@@ -174,20 +149,26 @@ class SubLayer(nnx.Module):
         self.precond = Preconditioner(cfg, rngs=rngs)
 
     def __call__(self, x: Array, positions: Array | None = None,
-                 segment_ids: Array | None = None, *, monitor: bool = False):
-        """x [B,T,D] → (x after the steps [B,T,D], energies [steps,2,B,T] or None).
+                 segment_ids: Array | None = None, *, cache: Cache | None = None,
+                 monitor: bool = False):
+        """x [B,T,D] → (x after the steps [B,T,D], energies [steps,2,B,T] or None, the
+        updated `KVCache` [C,...] of an attention sub-layer given a `cache`, else None).
 
         A scalar or diagonal P is folded into the mixer's output projection where that is
         exact (`updates.fold_preconditioner`): the same update, computed on weights.
         """
         cfg = self.cfg
         out_scale = self.precond.folded(cfg)
-        mixer = self.mixer.mixer(positions, segment_ids, x.dtype, out_scale)
+        mixer = self.mixer.mixer(positions, segment_ids, x.dtype, out_scale, cache)
         precond = self.precond if out_scale is None else lambda u: u
-        return run_steps(x, mixer,
-                         norm_scale=self.norm.scale[...], eps=self.norm.eps, precond=precond,
-                         steps=cfg.steps, impl=cfg.impl, gradient_wrt=cfg.gradient_wrt,
-                         recompute_context=cfg.recompute_context, monitor=monitor)
+        x, energies, contexts = run_steps(
+            x, mixer, norm_scale=self.norm.scale[...], eps=self.norm.eps, precond=precond,
+            steps=cfg.steps, impl=cfg.impl, gradient_wrt=cfg.gradient_wrt,
+            recompute_context=cfg.recompute_context, monitor=monitor)
+        if cache is None:
+            return x, energies, None
+        return x, energies, jax.tree.map(lambda *a: jnp.stack(a), *(
+            KVCache(ctx.key, ctx.value, ctx.context) for ctx in contexts))
 
 
 class Block(nnx.Module):
@@ -198,8 +179,12 @@ class Block(nnx.Module):
         self.mlp = SubLayer(cfg, MLP(cfg, rngs=rngs), rngs=rngs)
 
     def __call__(self, x: Array, positions: Array | None = None,
-                 segment_ids: Array | None = None, *, monitor: bool = False):
-        """x [B,T,D] → (x [B,T,D], {"attention": energies, "mlp": energies}) (see SubLayer)."""
-        x, e_attn = self.attention(x, positions, segment_ids, monitor=monitor)
-        x, e_mlp = self.mlp(x, positions, segment_ids, monitor=monitor)
-        return x, {k: v for k, v in (("attention", e_attn), ("mlp", e_mlp)) if v is not None}
+                 segment_ids: Array | None = None, *, cache: Cache | None = None,
+                 monitor: bool = False):
+        """x [B,T,D] → (x [B,T,D], {"attention": energies, "mlp": energies}, the updated
+        attention `KVCache` [C,...] or None) (see SubLayer; `cache` is this layer's)."""
+        x, e_attn, cache = self.attention(x, positions, segment_ids, cache=cache,
+                                          monitor=monitor)
+        x, e_mlp, _ = self.mlp(x, positions, segment_ids, monitor=monitor)
+        energies = {k: v for k, v in (("attention", e_attn), ("mlp", e_mlp)) if v is not None}
+        return x, energies, cache

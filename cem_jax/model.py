@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cem_jax.config import ModelConfig
-from cem_jax.layers import BATCH_AXES, Block, RMSNorm, constrain, param
+from cem_jax.kvcache import Cache
+from cem_jax.layers import Block, RMSNorm, param
+from cem_jax.sharding import constrain
 from cem_jax.updates import dense, rms_norm
 
 Array = jax.Array
@@ -49,43 +51,66 @@ class CEMTransformer(nnx.Module):
                                  std=cfg.init_std, dtype=dt)
 
     def __call__(self, tokens: Array, positions: Array | None = None,
-                 segment_ids: Array | None = None, *, return_energies: bool = False):
-        """tokens int [B,T] → logits fp32 [B,T,V].
+                 segment_ids: Array | None = None, *, cache: Cache | None = None,
+                 return_energies: bool = False):
+        """tokens int [B,T] → logits fp32 [B,T,V] (one forward for training and decoding).
 
         positions int [B,T] (RoPE positions; default 0..T-1), segment_ids int [B,T] (packed
         documents: attention stays inside a document). With `return_energies`, also returns
         {"attention"|"mlp": fp32 [L, steps, 2, B, T]}: each tied sub-layer's per-token energy
         before and after each step (see `cem_jax.monitor`).
+
+        With a decode `cache` (`cem_jax.kvcache.init_cache`) the T tokens are new ones after
+        what the cache holds: returns (logits, the cache with them written in, `length` + T).
+        Positions then default to length … length+T-1 and say where documents start (a token
+        at position p reads the p slots before its own, `cem_jax.kvcache`), so segment_ids must
+        be None; attention over the cache is the closed form whatever `impl` is (the
+        block-causal core and the Pallas kernel serve whole sequences). Energies are not
+        computed against a cache: `return_energies` with a cache raises ValueError.
         """
         cfg = self.cfg
-        # Under a mesh the residual stream [B,T,D] is pinned to the batch axes after the
-        # embedding and after every block, and so are the logits [B,T,V] (V over "tensor", like
-        # the head's "vocab" axis): weights sharded over "fsdp" get gathered, while each device
-        # computes only its own rows.
-        x = constrain(self.embed[...].astype(cfg.dtype)[tokens], BATCH_AXES, None, None)
+        if cache is not None and (segment_ids is not None or return_energies):
+            raise ValueError("with a decode cache, positions mark the documents (segment_ids "
+                             "must be None) and energies are not computed (return_energies "
+                             "must be False): run the whole sequence without a cache instead")
+        # Under a mesh the residual stream [B,T,D] is pinned to "batch" after the embedding and
+        # after every block, and so are the logits [B,T,V] (V split like the head's "vocab"):
+        # weights sharded over "fsdp" get gathered, while each device computes its own rows.
+        x = constrain(self.embed[...].astype(cfg.dtype)[tokens], "batch", "length", None)
 
-        def apply(block, x):
-            x, energies = block(x, positions, segment_ids, monitor=return_energies)
-            return constrain(x, BATCH_AXES, None, None), energies
+        def apply(block, x, layer_cache):
+            if layer_cache is not None:
+                layer_cache = Cache(layer_cache, cache.length)
+            x, energies, layer_cache = block(x, positions, segment_ids, cache=layer_cache,
+                                             monitor=return_energies)
+            return constrain(x, "batch", "length", None), energies, layer_cache
 
         if cfg.remat == "full":
             apply = nnx.remat(apply)
+        layers = None if cache is None else cache.layers
         if cfg.scan_layers:
-            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
-            def scan_blocks(block, x):
-                return apply(block, x)
+            @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0, 0))
+            def scan_blocks(block, x, layer_cache):
+                return apply(block, x, layer_cache)
 
-            x, energies = scan_blocks(self.blocks, x)
+            x, energies, layers = scan_blocks(self.blocks, x, layers)
         else:
-            per_layer = []
-            for block in self.blocks:
-                x, e = apply(block, x)
+            per_layer, written = [], []
+            for i, block in enumerate(self.blocks):
+                layer_cache = None if layers is None else jax.tree.map(lambda a, i=i: a[i],
+                                                                       layers)
+                x, e, layer_cache = apply(block, x, layer_cache)
                 per_layer.append(e)
+                written.append(layer_cache)
             energies = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+            if layers is not None:
+                layers = jax.tree.map(lambda *a: jnp.stack(a), *written)
         h = rms_norm(x, self.final_norm.scale[...], cfg.norm_eps)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
         logits = dense(h, head.astype(h.dtype), preferred_element_type=jnp.float32)
-        logits = constrain(logits, BATCH_AXES, None, "tensor")
+        logits = constrain(logits, "batch", "length", "vocab")
+        if cache is not None:
+            return logits, Cache(layers, cache.length + tokens.shape[1])
         return (logits, energies) if return_energies else logits
 
 
@@ -108,3 +133,33 @@ def count_params(model: nnx.Module) -> dict[str, int]:
         counts[part] += int(value.size)
     counts["total"] = sum(counts.values())
     return dict(counts)
+
+
+def abstract_params(cfg: ModelConfig) -> tuple[dict, dict]:
+    """(`jax.ShapeDtypeStruct`s, logical `PartitionSpec`s) of the parameters of the model of
+    `cfg`, as pure dicts like `nnx.to_pure_dict(nnx.state(model))` (nothing is allocated; the
+    logical names are `cem_jax.sharding`'s)."""
+    state = nnx.state(nnx.eval_shape(lambda: CEMTransformer(cfg, rngs=nnx.Rngs(0))))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                          nnx.to_pure_dict(state))
+    return shapes, nnx.to_pure_dict(nnx.get_partition_spec(state))
+
+
+def model_from_params(cfg: ModelConfig, params: dict) -> CEMTransformer:
+    """A `CEMTransformer` of `cfg` holding the pure dict `params` (as
+    `nnx.to_pure_dict(nnx.state(model))` gives: arrays, tracers or ShapeDtypeStructs, so it
+    also serves inside jit). Raises ValueError naming the first parameter whose shape or dtype
+    differs from what `cfg` builds, or that is missing or extra."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CEMTransformer(cfg, rngs=nnx.Rngs(0))))
+    want, got = _shapes(nnx.to_pure_dict(state)), _shapes(params)
+    for name in sorted(set(want) | set(got)):
+        if want.get(name) != got.get(name):
+            raise ValueError(f"parameter {name}: the config expects (shape, dtype) "
+                             f"{want.get(name, 'nothing')}, got {got.get(name, 'nothing')}")
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    return {jax.tree_util.keystr(path): (tuple(x.shape), str(x.dtype))
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}

@@ -5,14 +5,17 @@ parameters of one checkpoint `RUN_DIR/checkpoints/<step>/state` (written by
     run = load_run("runs/cem")             # newest checkpoint
     logits = run.model()(tokens)           # the CEMTransformer holding the checkpoint
 
-Only the parameters are restored (on the local devices, replicated); the optimizer state is
-read as the checkpoint's structure demands and dropped.
+Reading a run restores the parameters only (an orbax partial restore onto the host: no
+optimizer state, no `Trainer`); `write_run`, which makes a resumable run, adds a fresh optimizer
+state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import grain
@@ -22,12 +25,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from cem_jax.data import Tokenizer, load_tokenizer
-from cem_jax.model import CEMTransformer
+from cem_jax.model import CEMTransformer, model_from_params
 from cem_jax.train.checkpoint import Checkpointer, CheckpointError
-from cem_jax.train.config import MeshConfig, TrainConfig, load_config, save_config
+from cem_jax.train.config import TrainConfig, load_config, save_config
 from cem_jax.train.optim import make_optimizer
-from cem_jax.train.sharding import make_mesh
-from cem_jax.train.step import Trainer
 
 
 class RunDirError(FileNotFoundError):
@@ -50,31 +51,14 @@ class Run:
         return model_from_params(self.config.model, self.params)
 
 
-def model_from_params(cfg, params: dict) -> CEMTransformer:
-    """A `CEMTransformer` of `ModelConfig` cfg holding the pure dict `params` (as
-    `nnx.to_pure_dict(nnx.state(model))` gives). Raises ValueError if the tree differs."""
-    model = nnx.eval_shape(lambda: CEMTransformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
-    want, got = _shapes(nnx.to_pure_dict(state)), _shapes(params)
-    for name in sorted(set(want) | set(got)):
-        if want.get(name) != got.get(name):
-            raise ValueError(f"parameter {name}: the config expects (shape, dtype) "
-                             f"{want.get(name, 'nothing')}, got {got.get(name, 'nothing')}")
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
-
-
-def _shapes(tree) -> dict[str, tuple]:
-    return {jax.tree_util.keystr(path): (tuple(x.shape), str(x.dtype))
-            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
 def available_steps(run_dir: str | Path) -> list[int]:
-    """The checkpoint steps under `run_dir/checkpoints` (complete ones only), ascending."""
+    """The complete checkpoint steps under `run_dir/checkpoints`, ascending (orbax's own
+    listing: a step still being written, or torn by a kill, is not one)."""
     directory = Path(run_dir) / "checkpoints"
     if not directory.is_dir():
         return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+    with _read_only_manager(directory) as manager:
+        return sorted(manager.all_steps())
 
 
 def load_run(run_dir: str | Path, step: int | None = None) -> Run:
@@ -98,7 +82,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> Run:
     step = steps[-1] if step is None else step
     if step not in steps:
         raise RunDirError(f"{run_dir} has no checkpoint of step {step} (it has {steps})")
-    params, meta = _restore(run_dir / "checkpoints", step, cfg)
+    params, meta = _restore_params(run_dir / "checkpoints", step, cfg)
     if meta.get("tokenizer_sha256") != tokenizer.sha256:
         raise CheckpointError(f"{run_dir / 'tokenizer.model'} is not the tokenizer checkpoint "
                               f"{step} was trained with (SHA-256 differs)")
@@ -106,25 +90,45 @@ def load_run(run_dir: str | Path, step: int | None = None) -> Run:
 
 
 def quiet_checkpoint_logs() -> None:
-    """For the command-line tools: hide orbax's informational warnings (e.g. that a
-    read-only manager does not save), which go to the "absl" logger."""
+    """For the command-line tools: hide orbax's informational warnings, which go to the "absl"
+    logger."""
     logging.getLogger("absl").setLevel(logging.ERROR)
 
 
-def _restore(directory: Path, step: int, cfg: TrainConfig) -> tuple[dict, dict]:
-    """The params and meta of checkpoint `step`, restored replicated on the local devices."""
-    mesh = make_mesh(MeshConfig(data=-1), jax.local_devices())
-    abstract = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh).abstract_state()
-    manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(
-        create=False, read_only=True))
+@contextlib.contextmanager
+def _read_only_manager(directory: Path) -> Iterator[ocp.CheckpointManager]:
+    """An orbax manager that only reads `directory`, without the warnings orbax logs about
+    read-only managers (which say nothing to someone loading a run)."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(max(level, logging.ERROR))
     try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-    except Exception as err:  # orbax raises many kinds; all mean "this step is unusable"
-        raise CheckpointError(f"cannot read checkpoint {directory / str(step)}: "
-                              f"{type(err).__name__}: {err}") from err
+        manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(
+            create=False, read_only=True))
+    finally:
+        absl.setLevel(level)
+    try:
+        yield manager
     finally:
         manager.close()
+
+
+def _restore_params(directory: Path, step: int, cfg: TrainConfig) -> tuple[dict, dict]:
+    """The parameters (numpy, on the host) and meta of checkpoint `step`: an orbax partial
+    restore of the state's "params" subtree (the optimizer state is not read)."""
+    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
+        lambda: CEMTransformer(cfg.model, rngs=nnx.Rngs(0)))))
+    target = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract)}
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
+    with _read_only_manager(directory) as manager:
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(target, restore_args, partial_restore=True),
+                meta=ocp.args.JsonRestore()))
+        except Exception as err:  # orbax raises many kinds; all mean "this step is unusable"
+            raise CheckpointError(f"cannot read checkpoint {directory / str(step)}: "
+                                  f"{type(err).__name__}: {err}") from err
     return jax.device_get(restored["state"]["params"]), restored["meta"]
 
 

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from cem_jax import kvcache
 from cem_jax.energies import (
     Activation,
     AttentionSpec,
@@ -30,6 +31,7 @@ from cem_jax.energies import (
     mlp_energy,
     rope_tables,
 )
+from cem_jax.kvcache import Cache, KVCache
 
 Array = jax.Array
 
@@ -91,7 +93,8 @@ def _merge_heads(o: Array, w: Array) -> Array:
 
 def _rope_tables(positions: Array, spec: AttentionSpec) -> tuple[Array, Array] | None:
     """RoPE's cos/sin for this sub-layer, computed once (None without RoPE)."""
-    return rope_tables(positions, spec.head_dim, spec.rope_theta) if spec.use_rope else None
+    return (rope_tables(positions, spec.head_dim, spec.rope_theta, spec.rope_scaling)
+            if spec.use_rope else None)
 
 
 def _rotated(x: Array, tables: tuple[Array, Array] | None, inverse: bool = False) -> Array:
@@ -137,36 +140,100 @@ def _attend_bwd(beta, residuals, do):
 attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _causal_attention(q: Array, k: Array, v: Array, mask: Array, spec: AttentionSpec) -> Array:
-    """`attend` over causal query blocks of `spec.block_size`: q [B,G,R,T,K], k [B,G,S,K],
-    v [B,G,S,V], mask [B|1,1,1,T,S] → o [B,G,R,T,V]. Rows [lo, hi) read keys [0, hi) only."""
+def _causal_attention(q: Array, k: Array, v: Array, mask: Array, spec: AttentionSpec, *,
+                      skip: bool = True) -> Array:
+    """`attend` over query blocks of `spec.block_size`: q [B,G,R,T,K], k [B,G,S,K],
+    v [B,G,S,V], mask [B|1,1,1,T,S] → o [B,G,R,T,V]. With `skip` (keys are the sequence itself)
+    rows [lo, hi) read keys [0, hi) only; without (keys are cache slots) every slot, masked."""
     B, G, R, T, K = q.shape
     blocks = []
     for lo in range(0, T, spec.block_size):
         hi, n = min(lo + spec.block_size, T), min(spec.block_size, T - lo)
+        end = hi if skip else k.shape[-2]
         qb = q[:, :, :, lo:hi].reshape(B, G, R * n, K)
-        mb = jnp.broadcast_to(mask[..., lo:hi, :hi], (mask.shape[0], 1, R, n, hi))
-        ob = attend(qb, k[:, :, :hi], v[:, :, :hi], mb.reshape(-1, 1, R * n, hi), spec.beta)
+        mb = jnp.broadcast_to(mask[..., lo:hi, :end], (mask.shape[0], 1, R, n, end))
+        ob = attend(qb, k[:, :, :end], v[:, :, :end], mb.reshape(-1, 1, R * n, end), spec.beta)
         blocks.append(ob.reshape(B, G, R, n, -1))
     return jnp.concatenate(blocks, axis=-2)
+
+
+class AttentionContext(NamedTuple):
+    """What the queries of one attention sub-layer step read (`Mixer.prepare` of attention):
+
+    key:     [B,G,S,K] rotated keys R_s Wk c_s (tied attention: the values too)
+    value:   [B,G,S,K] values Wv c_s (untied attention), else None
+    context: [B,S,D] c_s, key and value of the DPLR diagonal head (tied DPLR), else None
+    mask:    bool [B|1,1,1,T,S], True where query t may read slot s
+    rope:    RoPE tables (cos, sin) fp32 [B,1,T,K/2] at the queries' positions, None for NoPE
+
+    S is the sequence itself (T slots), or a decode cache's slots with the T new tokens written
+    in (`cem_jax.kvcache`); then key/value/context are the updated cache of this context.
+    """
+
+    key: Array
+    value: Array | None
+    context: Array | None
+    mask: Array
+    rope: tuple[Array, Array] | None
 
 
 class Mixer(NamedTuple):
     """One sub-layer's math on the variable y [B,T,D] and the fixed context c [B,T,D].
 
-    prepare(c) -> context tensors computed once per sub-layer (keys, Wu c, ...);
+    prepare(c, index) -> what the direction reads of the context, computed once per context
+      (keys or an `AttentionContext`, Wu c, ...); `index` numbers a sub-layer's contexts (0, and
+      k at step k with recompute_context) so that a decode cache keeps one per context;
     direction(y, prepared) -> the update direction u [B,T,D] (closed form, no autodiff), or
       P·u when the mixer was built with a preconditioner folded in (params["out_scale"]);
-    energy(y, c) -> per-token energy fp32 [B,T], or None for an untied (Llama) sub-layer.
+    energy(y, c) -> per-token energy fp32 [B,T], or None (an untied Llama sub-layer, or a
+      cached one: its context is the cache, and the update is the closed form).
     """
 
-    prepare: Callable[[Array], Any]
+    prepare: Callable[[Array, int], Any]
     direction: Callable[[Array, Any], Array]
     energy: Callable[[Array, Array], Array] | None
 
 
+def _attention_context(params: dict, spec: AttentionSpec, positions: Array | None,
+                       segment_ids: Array | None, cache: Cache | None, *, values: bool,
+                       context: bool) -> Callable[[Array, int], AttentionContext]:
+    """`Mixer.prepare` of both attention kinds: keys (and `values`, and c itself as the DPLR
+    `context`) of the tokens c [B,T,D] at `positions` (default 0..T-1), read with the causal
+    mask of `segment_ids`; or, with a `cache` (`KVCache` leaves [C,...], `length`), written into
+    cache context `index` at slots length … length+T-1 and read with `kvcache.slot_mask`."""
+
+    def prepare(c, index):
+        B, T, _ = c.shape
+        if positions is not None:
+            pos = positions
+        elif cache is None:
+            pos = default_positions(B, T)
+        else:
+            pos = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
+        tables = _rope_tables(pos, spec)
+        new = KVCache(_rotated(_split_heads(c, params["key"]), tables),
+                      _split_heads(c, params["value"]) if values else None,
+                      c if context else None)
+        if cache is None:
+            return AttentionContext(*new, attention_mask(segment_ids, T), tables)
+        slots = jax.tree.map(lambda s, n: kvcache.write(s[index], n, cache.length),
+                             cache.layers, new)
+        return AttentionContext(*slots, kvcache.slot_mask(pos, cache.length,
+                                                          slots.key.shape[-2]), tables)
+
+    return prepare
+
+
+def _query_heads(y: Array, params: dict, spec: AttentionSpec, ctx: AttentionContext) -> Array:
+    """Rotated queries R_t Wq y grouped by key head: y [B,T,D] → [B,G,H/G,T,K]."""
+    B, T, _ = y.shape
+    q = _rotated(_split_heads(y, params["query"]), ctx.rope)
+    return q.reshape(B, spec.num_kv_heads, -1, T, spec.head_dim)
+
+
 def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | None,
-                         segment_ids: Array | None, *, impl: str = "xla") -> Mixer:
+                         segment_ids: Array | None, *, impl: str = "xla",
+                         cache: Cache | None = None) -> Mixer:
     """CEM attention: u = -∇_y E_attn(y | c) in closed form (DESIGN.md §1):
 
         u_t = Σ_h [ Wq_h R_tᵀ Σ_s p_ts R_s Wk_g c_s + d_h ⊙ Σ_s p_ts c_s ],  p_t = softmax(β a_h)
@@ -178,39 +245,40 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
     `cem_jax.kernels.tied_attention` (interpret mode on CPU); RoPE, its un-rotation, the DPLR
     concatenation and the output projection stay in XLA around it.
 
+    With a decode `cache` (`cem_jax.kvcache.Cache` of this sub-layer: leaves [C,...]) the
+    context is the cache: `prepare` writes the tokens' keys into it and the core is `attend`
+    over every slot under the slot mask, whatever `impl` says (the block-skipping core and the
+    kernel serve whole sequences); the mixer then has no energy (monitor full sequences).
+
     params may hold "out_scale" ([] or [D]): a scalar or diagonal preconditioner P folded into
     the output projection, so that direction returns P·u (`fold_preconditioner`).
     """
     diag = params.get("diag")
-    G = spec.num_kv_heads
     out_scale = params.get("out_scale", 1.0)
     # P Wq as the output projection [H·K, D]: scaled in Wq's own layout, so that the transpose
     # folds into the matmul instead of being materialised (and its gradient transposed back)
     out = (params["query"] * jnp.reshape(out_scale, (-1, 1, 1))).reshape(len(params["query"]),
                                                                             -1).T
+    prepare = _attention_context(params, spec, positions, segment_ids, cache, values=False,
+                                 context=diag is not None)
 
-    def prepare(c):
-        B, T, _ = c.shape
-        pos = default_positions(B, T) if positions is None else positions
-        tables = _rope_tables(pos, spec)
-        k = _rotated(_split_heads(c, params["key"]), tables)  # [B,G,S,K]
-        return c, tables, k, attention_mask(segment_ids, T)
-
-    def direction(y, prepared):
-        c, tables, k, mask = prepared
+    def direction(y, ctx):
         B, T, D = y.shape
-        K = spec.head_dim
-        q = _rotated(_split_heads(y, params["query"]), tables).reshape(B, G, -1, T, K)
+        G, K = spec.num_kv_heads, spec.head_dim
+        q, k = _query_heads(y, params, spec, ctx), ctx.key
         if diag is not None:  # the diagonal as a second head: query d_h ⊙ y, key/value c
             yd = y[:, None] * diag.reshape(-1, 1, D)  # [B,H or 1,T,D]
             yd = jnp.broadcast_to(yd, (B, spec.num_heads, T, D)).reshape(B, G, -1, T, D)
             q = jnp.concatenate([q, yd], axis=-1)
-            k = jnp.concatenate([k, jnp.broadcast_to(c[:, None], (B, G, T, D))], axis=-1)
-        if impl == "pallas":
+            S = k.shape[-2]
+            k = jnp.concatenate([k, jnp.broadcast_to(ctx.context[:, None], (B, G, S, D))],
+                                axis=-1)
+        if impl == "pallas" and cache is None:
             o = _pallas_attention(q.reshape(B, spec.num_heads, T, -1), k, segment_ids, spec)
         else:
-            o = _causal_attention(q, k, k, mask, spec).reshape(B, spec.num_heads, T, -1)
-        u = _merge_heads(_rotated(o[..., :K], tables, inverse=True), out)  # P Wq R_tᵀ o
+            o = _causal_attention(q, k, k, ctx.mask, spec, skip=cache is None)
+            o = o.reshape(B, spec.num_heads, T, -1)
+        u = _merge_heads(_rotated(o[..., :K], ctx.rope, inverse=True), out)  # P Wq R_tᵀ o
         if diag is not None and diag.ndim == 2:  # Σ_h P d_h ⊙ (p_h @ c)
             u = u + jnp.einsum("bhtd,hd->btd", o[..., K:], diag * out_scale)
         elif diag is not None:
@@ -221,40 +289,60 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
         return attention_energy(params, y, c, spec=spec, positions=positions,
                                 segment_ids=segment_ids)
 
-    return Mixer(prepare, direction, energy)
+    return Mixer(prepare, direction, energy if cache is None else None)
 
 
 def _pallas_attention(q: Array, k: Array, segment_ids: Array | None, spec: AttentionSpec
                       ) -> Array:
-    """The tied kernel on heads-major q [B,H,T,W], k [B,G,S,W] (W = K, or K + D with DPLR)."""
-    from cem_jax.kernels import tied_attention  # imported on use: Pallas stays off xla/autodiff
+    """The tied kernel on heads-major q [B,H,T,W], k [B,G,S,W] (W = K, or K + D with DPLR) and
+    int [B,T] segment_ids; returns o [B,H,T,W] in q.dtype.
 
-    o = tied_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), causal=True,
-                       segment_ids=segment_ids, scale=spec.beta,
-                       interpret=True if jax.default_backend() == "cpu" else None)
-    return o.transpose(0, 2, 1, 3)
+    The kernel is built for the platform traced for (`cem_jax.kernels.common.target_platform`:
+    the mesh's device, so lowering for a TPU from a CPU host embeds the Mosaic kernel), and
+    interpreted on CPU. Under a mesh of more than one device it runs in a `jax.shard_map`,
+    since XLA cannot partition a Mosaic (or Triton) call: each device attends over its own
+    rows ("batch" → data×fsdp) and, when the key-head count G divides "tensor", its own heads
+    (query heads follow their key heads, so h // (H/G) stays on the device); an axis that does
+    not divide is left whole (`cem_jax.sharding.logical_to_mesh`), computed on every device.
+    """
+    # imported on use: Pallas stays off the xla/autodiff paths
+    from cem_jax.kernels import tied_attention
+    from cem_jax.kernels.common import target_platform
+    from cem_jax.sharding import logical_to_mesh
+
+    interpret = True if target_platform() == "cpu" else None
+
+    def attend(q, k, segment_ids=None):
+        o = tied_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), causal=True,
+                           segment_ids=segment_ids, scale=spec.beta, interpret=interpret)
+        return o.transpose(0, 2, 1, 3)
+
+    args = (q, k) if segment_ids is None else (q, k, segment_ids)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.size <= 1:
+        return attend(*args)
+    rows, heads = logical_to_mesh(("batch", "kv_heads"), k.shape[:2], mesh.shape)
+    q_spec = jax.sharding.PartitionSpec(rows, heads, None, None)
+    specs = (q_spec, q_spec, jax.sharding.PartitionSpec(rows, None))
+    # check_vma=False: the kernels' out_shape structs carry no varying-axes annotation
+    return jax.shard_map(attend, mesh=mesh, in_specs=specs[:len(args)], out_specs=q_spec,
+                         check_vma=False)(*args)
 
 
 def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | None,
-                          segment_ids: Array | None) -> Mixer:
+                          segment_ids: Array | None, *, cache: Cache | None = None) -> Mixer:
     """Untied Llama attention (the baseline): softmax(β q kᵀ) v Wo with free Wq [D,H,K],
     Wk [D,G,K], Wv [D,G,K], Wo [H,K,D]; queries from y, keys/values from c. No energy.
-    params["out_scale"] ([] or [D], `fold_preconditioner`) scales Wo's output: P·u."""
-    G = spec.num_kv_heads
+    params["out_scale"] ([] or [D], `fold_preconditioner`) scales Wo's output: P·u. A decode
+    `cache` works as in `tied_attention_mixer`."""
     out = (params["out"] * params.get("out_scale", 1.0)).reshape(-1, params["out"].shape[-1])
+    prepare = _attention_context(params, spec, positions, segment_ids, cache, values=True,
+                                 context=False)
 
-    def prepare(c):
-        B, T, _ = c.shape
-        pos = default_positions(B, T) if positions is None else positions
-        tables = _rope_tables(pos, spec)
-        k = _rotated(_split_heads(c, params["key"]), tables)
-        return tables, k, _split_heads(c, params["value"]), attention_mask(segment_ids, T)
-
-    def direction(y, prepared):
-        tables, k, v, mask = prepared
+    def direction(y, ctx):
         B, T, _ = y.shape
-        q = _rotated(_split_heads(y, params["query"]), tables)
-        o = _causal_attention(q.reshape(B, G, -1, T, spec.head_dim), k, v, mask, spec)
+        o = _causal_attention(_query_heads(y, params, spec, ctx), ctx.key, ctx.value, ctx.mask,
+                              spec, skip=cache is None)
         return _merge_heads(o.reshape(B, spec.num_heads, T, -1), out)
 
     return Mixer(prepare, direction, None)
@@ -270,7 +358,8 @@ def _gated_mixer(params: dict, activation: Activation, down: Array, energy) -> M
     `down` already includes params["out_scale"] ([] or [D], `fold_preconditioner`) when there is
     one: the direction is then P·u."""
 
-    def prepare(c):
+    def prepare(c, index):
+        del index  # token-wise: nothing to cache
         return dense(c, params["up"])
 
     def direction(y, up):
@@ -342,18 +431,21 @@ IMPLS = ("autodiff", "xla", "pallas")
 def run_steps(x0: Array, mixer: Mixer, *, norm_scale: Array, eps: float,
               precond: Callable[[Array], Array], steps: int = 1, impl: str = "xla",
               gradient_wrt: str = "normalized", recompute_context: bool = False,
-              monitor: bool = False) -> tuple[Array, Array | None]:
-    """Apply one CEM sub-layer to the residual stream x0 [B,T,D]; returns (x_T, energies).
+              monitor: bool = False) -> tuple[Array, Array | None, list]:
+    """Apply one CEM sub-layer to the residual stream x0 [B,T,D]; returns (x_T, energies,
+    contexts).
 
     precond: u ↦ P·u (`precondition`), or the identity when P is already folded into the
       mixer's output projection (`fold_preconditioner`, as `layers.SubLayer` does).
     impl: "xla" uses the closed form `mixer.direction`; "autodiff" uses -jax.grad of
-      `mixer.energy` (untied mixers have no energy and always use their forward); "pallas"
-      is the closed form too, with tied attention built with impl="pallas" (fused kernel).
+      `mixer.energy` (mixers without an energy, untied or cached, always use their direction);
+      "pallas" is the closed form too, with tied attention built with impl="pallas".
     gradient_wrt: "normalized" (u = -∇_y E) or "residual" (u = -∇_x E(RMSNorm(x) | c)).
     recompute_context: c = RMSNorm(xᵏ) at every step instead of RMSNorm(x⁰).
     monitor: also return energies fp32 [steps, 2, B, T]: E(yᵏ | cᵏ) before and E(yᵏ⁺¹ | cᵏ)
-      after each step (None for untied mixers or when monitor is False).
+      after each step (None for mixers without an energy or when monitor is False).
+    contexts: what `mixer.prepare` returned for each context, in order (one, or `steps` with
+      recompute_context; none under autodiff): a cached attention mixer's updated cache.
     Raises `ValueError` for an unknown impl or gradient_wrt.
     """
     if impl not in IMPLS:
@@ -373,16 +465,22 @@ def run_steps(x0: Array, mixer: Mixer, *, norm_scale: Array, eps: float,
         u = mixer.direction(y, prepared)
         return rms_norm_vjp(x, norm_scale, eps, u) if gradient_wrt == "residual" else u
 
+    def prepare(c):
+        if not use_autodiff:
+            contexts.append(mixer.prepare(c, len(contexts)))
+        return contexts[-1] if contexts else None
+
     x, c = x0, norm(x0)
-    prepared = None if use_autodiff else mixer.prepare(c)
+    contexts: list = []
+    prepared = prepare(c)
     energies = []
     for k in range(steps):
         y = c if k == 0 else norm(x)
         if recompute_context and k > 0:
             c = y
-            prepared = None if use_autodiff else mixer.prepare(c)
+            prepared = prepare(c)
         x_next = x + precond(direction(x, y, c, prepared))
         if monitor and mixer.energy is not None:
             energies.append(jnp.stack([mixer.energy(y, c), mixer.energy(norm(x_next), c)]))
         x = x_next
-    return x, (jnp.stack(energies) if energies else None)
+    return x, (jnp.stack(energies) if energies else None), contexts

@@ -1,8 +1,11 @@
-"""Model config: validation errors name the field; YAML with key=value overrides."""
+"""Model config: validation errors name the field; YAML with `base:` chains and key=value
+overrides."""
+
+import re
 
 import pytest
 
-from cem_jax.config import ModelConfig, apply_overrides, load_model_config
+from cem_jax.config import ModelConfig, apply_overrides, load_model_config, load_section, load_yaml
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -65,3 +68,45 @@ def test_yaml_errors_are_clear(tmp_path):
         load_model_config(None, ["steps"])
     with pytest.raises(ValueError, match="'model.steps'"):
         load_model_config(None, ["steps=-1"])
+
+
+def test_base_chain_merges_section_by_section(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "root.yaml").write_text(
+        "model: {d_model: 64, num_heads: 4, steps: 3}\nother: {a: 1, b: 2}\ntop: 1\n")
+    (tmp_path / "sub" / "mid.yaml").write_text(
+        "base: ../root.yaml\nmodel: {steps: 2, tie_mlp: false}\nother: {b: null}\n")
+    (tmp_path / "leaf.yaml").write_text("base: sub/mid.yaml\nmodel:\ntop: {x: 1}\n")
+    monkeypatch.chdir(tmp_path / "sub")  # a base is relative to its file, not to the cwd
+    assert load_yaml(tmp_path / "leaf.yaml") == {
+        "model": {"d_model": 64, "num_heads": 4, "steps": 2, "tie_mlp": False},
+        "other": {"a": 1, "b": None}, "top": {"x": 1}}
+    cfg = load_model_config(tmp_path / "leaf.yaml", ["steps=5"])
+    assert (cfg.d_model, cfg.steps, cfg.tie_mlp) == (64, 5, False)
+
+
+def test_base_errors_name_both_files(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("base: b.yaml\n")
+    b.write_text("base: ./a.yaml\nmodel: {steps: 2}\n")
+    with pytest.raises(ValueError, match=re.escape(
+            f"'{b}' names base './a.yaml', which leads back to itself ({a} -> {b} -> {a})")):
+        load_yaml(a)
+    b.write_text("base: missing.yaml\n")
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"'{b}' names base 'missing.yaml', but '{tmp_path / 'missing.yaml'}' does not exist")):
+        load_yaml(a)
+    a.write_text("base: [b.yaml]\n")
+    with pytest.raises(ValueError, match=r"a.yaml': base must be the path of a YAML file"):
+        load_yaml(a)
+    a.write_text("base: a.yaml\n")
+    with pytest.raises(ValueError, match="leads back to itself"):
+        load_yaml(a)
+
+
+def test_load_section_reads_only_its_section(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {d_model: 64, num_heads: 4}\ndata: {seq_len: 7}\n")
+    assert load_section(ModelConfig, "model", path, ["model.steps=2"]).steps == 2
+    with pytest.raises(ValueError, match=r"override 'data.seq_len=9' is not in section 'model'"):
+        load_section(ModelConfig, "model", path, ["data.seq_len=9"])

@@ -1,28 +1,32 @@
 """The energies themselves: antiderivatives, RoPE, and the energy formulas against brute force."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_close_to_scale, rotation_matrix
+from helpers import assert_close_to_scale, random_params, rotation_matrix
 from scipy import integrate, special
 
 from cem_jax.config import ModelConfig
 from cem_jax.energies import (
     ACTIVATIONS,
     AttentionSpec,
+    RopeScaling,
     apply_rope,
     attention_energy,
     get_activation,
     mlp_energy,
     register_activation,
     rope,
+    rope_frequencies,
     rope_tables,
 )
-from cem_jax.model import CEMTransformer
+from cem_jax.model import CEMTransformer, model_from_params
+from cem_jax.sample import SamplingConfig, generate
 from cem_jax.updates import tied_mlp_mixer
 
 SIGMA = {
@@ -96,6 +100,101 @@ def test_rope_tables_are_computed_once_for_all_their_readers():
     pos = jnp.tile(jnp.arange(5), (2, 1))
     hlo = jax.jit(jax.grad(loss)).lower(x, pos).compile().as_text()
     assert (hlo.count(" cosine("), hlo.count(" sine(")) == (1, 1)
+
+
+# RoPE scaling (transformers' rope_type names and numbers): K, theta and the scaling. The llama3
+# cases put feature pairs in all three wavelength bands (kept, blended, divided by the factor):
+# Llama 3.1's own numbers at K = 128, and a short pretraining context at K = 8.
+LLAMA31 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+               original_max_position=8192)
+ROPE_CASES = {
+    "default": (64, 10000.0, RopeScaling()),
+    "linear": (64, 10000.0, RopeScaling("linear", factor=4.0)),
+    "llama3.1": (128, 500000.0, RopeScaling("llama3", **LLAMA31)),
+    "llama3-short": (8, 10000.0, RopeScaling("llama3", factor=8.0, low_freq_factor=1.0,
+                                             high_freq_factor=4.0, original_max_position=64)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_frequencies_equal_transformers(case):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    K, theta, scaling = ROPE_CASES[case]
+    rope_parameters = {"rope_type": scaling.rope_type, "rope_theta": theta}
+    if scaling.rope_type != "default":
+        rope_parameters["factor"] = scaling.factor
+    if scaling.rope_type == "llama3":
+        rope_parameters |= {"low_freq_factor": scaling.low_freq_factor,
+                            "high_freq_factor": scaling.high_freq_factor,
+                            "original_max_position_embeddings": scaling.original_max_position}
+    theirs = LlamaRotaryEmbedding(LlamaConfig(
+        hidden_size=2 * K, num_attention_heads=2, head_dim=K, max_position_embeddings=1 << 20,
+        rope_parameters=rope_parameters))
+    assert theirs.attention_scaling == 1.0  # cos/sin unscaled, as ours
+    got = np.asarray(rope_frequencies(K, theta, scaling))
+    np.testing.assert_allclose(got, theirs.inv_freq.numpy(), rtol=2e-6, atol=0)
+    plain = np.asarray(rope_frequencies(K, theta))
+    kept = np.isclose(got, plain, rtol=1e-6)
+    divided = np.isclose(got, plain / scaling.factor, rtol=1e-6) & ~kept
+    bands = {"kept": kept, "divided": divided, "blended": ~(kept | divided)}
+    present = {name for name, band in bands.items() if band.any()}
+    assert present == {"default": {"kept"}, "linear": {"divided"}}.get(
+        scaling.rope_type, {"kept", "divided", "blended"})
+
+
+def test_scaled_rope_rotates_by_interpolated_positions_and_inverts():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 3, 5, 8)), jnp.float32)
+    pos = jnp.asarray([[0, 1, 2, 3, 4], [7, 3, 0, 11, 2]])
+    linear = RopeScaling("linear", factor=2.0)
+    np.testing.assert_allclose(rope(x, 2 * pos, 100.0, linear), rope(x, pos, 100.0), atol=1e-5)
+    llama3 = ROPE_CASES["llama3-short"][2]
+    turned = rope(x, pos, 100.0, llama3)
+    assert np.abs(np.asarray(turned - rope(x, pos, 100.0))).max() > 0.1
+    np.testing.assert_allclose(rope(turned, -pos, 100.0, llama3), x, atol=1e-5)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(rope_type="yarn"), "'rope_type' = 'yarn' is invalid: it must be one of 'default', "
+                             "'linear', 'llama3'"),
+    (dict(rope_factor=8.0), "'rope_factor' = 8.0 is invalid: it must be 1.0 with "
+                            "rope_type='default'"),
+    (dict(rope_type="linear", rope_factor=0.0), "'rope_factor' = 0.0 is invalid: it must be > 0"),
+    (dict(rope_type="llama3", rope_low_freq_factor=4.0),
+     "'rope_high_freq_factor' = 4.0 is invalid: it must be > rope_low_freq_factor = 4.0"),
+    (dict(rope_type="llama3", rope_original_max_position=0),
+     "'rope_original_max_position' = 0 is invalid: it must be a positive integer"),
+    (dict(rope_type="linear", rope_factor=2.0, position="none"),
+     "'rope_type' = 'linear' is invalid: it must be 'default' with position='none'"),
+])
+def test_rope_scaling_fields_are_validated(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig(**fields)
+
+
+@pytest.mark.parametrize("tie_attention", [True, False])
+def test_scaled_rope_reaches_every_attention_path(tie_attention):
+    """The closed form (xla), the energy's autodiff and the cached decode use the scaled
+    frequencies: they agree with each other and differ from the unscaled model."""
+    base = dict(vocab_size=64, d_model=16, num_layers=1, num_heads=2, mlp_dim=24,
+                tie_attention=tie_attention, tie_mlp=tie_attention, rope_theta=100.0)
+    scaled = dict(rope_type="llama3", rope_factor=8.0, rope_original_max_position=16)
+    params = random_params(ModelConfig(**base))
+    tokens = jnp.asarray([[3, 17, 50, 9, 4, 61, 8, 20, 33, 5, 60, 11, 2, 40]])
+    logits = {impl: model_from_params(ModelConfig(**base, **scaled, impl=impl), params)(tokens)
+              for impl in (("xla", "autodiff") if tie_attention else ("xla",))}
+    for got in logits.values():
+        assert_close_to_scale(got, logits["xla"], 1e-5)
+    plain = model_from_params(ModelConfig(**base), params)(tokens)
+    assert np.abs(np.asarray(plain - logits["xla"])).max() > 0.1
+    cfg = ModelConfig(**base, **scaled)
+    out = generate(params, cfg, [list(tokens[0, :6])],
+                   SamplingConfig(max_new_tokens=4, temperature=0.0))
+    sequence = jnp.asarray([list(tokens[0, :6]) + list(out.tokens[0])])
+    full = model_from_params(cfg, params)(sequence)[0, 5:-1].argmax(-1)
+    assert list(full) == list(out.tokens[0])
 
 
 def _brute_attention_energy(params, y, c, spec, use_rope, segment_ids=None):
@@ -178,7 +277,7 @@ def test_registered_activation_becomes_a_model_layer():
     def energy(y):  # E(y | c) = -Σ_j (Wu c)_j log cosh((Wg y)_j), summed over tokens
         return -jnp.sum((c @ params["up"]) * jnp.log(jnp.cosh(y @ params["gate"])))
 
-    assert_close_to_scale(mixer.direction(y, mixer.prepare(c)), -jax.grad(energy)(y), 1e-5)
+    assert_close_to_scale(mixer.direction(y, mixer.prepare(c, 0)), -jax.grad(energy)(y), 1e-5)
     assert_close_to_scale(jnp.sum(mixer.energy(y, c)), energy(y), 1e-5)
     with pytest.raises(ValueError, match="activation"):
         ModelConfig(activation="not_registered")

@@ -12,7 +12,7 @@ from helpers import assert_close_to_scale, random_params
 
 from cem_jax.config import ModelConfig
 from cem_jax.model import CEMTransformer
-from cem_jax.monitor import energy_monitor
+from cem_jax.monitor import descent_statistics, energy_monitor, preconditioner_stats
 
 SMALL = dict(vocab_size=40, d_model=16, num_layers=2, num_heads=4, mlp_dim=24, init_std=0.2,
              attention_block=4)
@@ -59,6 +59,11 @@ def loss_fn(m, tokens):
 
 
 value_and_grad = nnx.jit(nnx.value_and_grad(loss_fn))
+
+
+@nnx.jit
+def energies(m, tokens, positions, segment_ids):
+    return m(tokens, positions, segment_ids, return_energies=True)[1]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
@@ -144,6 +149,69 @@ def test_energy_monitor_reports_descent_at_every_step():
     for name, e in report.items():
         assert e["before"].shape == e["after"].shape == (2, 3)
         assert np.all(e["after"] < e["before"]), (name, e)
+        np.testing.assert_allclose(e["change"], e["after"] - e["before"])
+        np.testing.assert_array_equal(e["down"], 1.0)  # every token's own energy went down
         np.testing.assert_allclose(e["before"][:, 1:], e["after"][:, :-1], rtol=1e-5)
     untied = energy_monitor(model(tie_attention=False, steps=2), TOKENS)
     assert set(untied) == {"mlp"}
+
+
+def _trained(**kw):
+    """`model(**kw)` after 8 SGD steps on TOKENS (away from its init: P is no longer I)."""
+    m = model(**kw)
+    for _ in range(8):
+        _, grads = value_and_grad(m, TOKENS)
+        nnx.update(m, jax.tree.map(lambda p, g: p - 0.5 * g, nnx.state(m, nnx.Param),
+                                   nnx.state(grads)))
+    return m
+
+
+def test_descent_statistics_equal_a_direct_computation_from_per_token_energies():
+    m = _trained(steps=2, preconditioner="diag")
+    params = nnx.to_pure_dict(nnx.state(m))
+    rng = np.random.default_rng(0)
+    batches = []
+    for b in range(2):  # packed documents, the last tokens of each row padding (weight 0)
+        weights = np.ones((2, 10), np.float32)
+        weights[:, 7 + b:] = 0
+        batches.append({"inputs": rng.integers(0, 40, (2, 10)).astype(np.int32),
+                        "positions": np.array([list(range(4)) + list(range(6))] * 2, np.int32),
+                        "segment_ids": np.array([[1] * 4 + [2] * 6] * 2, np.int32),
+                        "weights": weights, "targets": np.zeros((2, 10), np.int32)})
+    got = descent_statistics(m.cfg, params, batches)
+    per_token = [energies(m, b["inputs"], b["positions"], b["segment_ids"]) for b in batches]
+    assert set(got) == {"attention", "mlp"}
+    for kind in got:  # every real token of both batches, [L, steps, 2, N]
+        e = np.concatenate([np.asarray(p[kind], np.float64)[..., b["weights"] > 0]
+                            for p, b in zip(per_token, batches, strict=True)], axis=-1)
+        assert e.shape == (2, 2, 2, 2 * 7 + 2 * 8)
+        before, after = e[:, :, 0], e[:, :, 1]
+        want = {"before": before.mean(-1), "after": after.mean(-1),
+                "change": (after - before).mean(-1), "down": (after < before).mean(-1)}
+        for name, value in want.items():
+            np.testing.assert_allclose(got[kind][name], value, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{kind} {name}")
+        assert 0 < got[kind]["down"].min() and got[kind]["down"].max() <= 1
+    with pytest.raises(ValueError, match="no token with weight > 0"):
+        descent_statistics(m.cfg, params, [dict(batches[0], weights=np.zeros((2, 10)))])
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_preconditioner_stats_are_softplus_of_rho_and_the_norm_of_u(scan_layers):
+    m = random_model(preconditioner="dplr", scan_layers=scan_layers)
+    params = nnx.to_pure_dict(nnx.state(m))["blocks"]
+    layers = [params] if scan_layers else [params[i] for i in range(2)]
+    stats = preconditioner_stats(m)
+    for kind in ("attention", "mlp"):
+        rho = np.stack([np.asarray(p[kind]["precond"]["rho"]) for p in layers]).reshape(2, 16)
+        U = np.stack([np.asarray(p[kind]["precond"]["U"]) for p in layers]).reshape(2, 16, 4)
+        p = np.log1p(np.exp(rho))
+        np.testing.assert_allclose(stats[kind]["mean"], p.mean(1), rtol=1e-6)
+        np.testing.assert_allclose(stats[kind]["min"], p.min(1), rtol=1e-6)
+        np.testing.assert_allclose(stats[kind]["max"], p.max(1), rtol=1e-6)
+        np.testing.assert_allclose(stats[kind]["u_norm"], np.linalg.norm(U, axis=(1, 2)),
+                                   rtol=1e-6)
+        assert stats[kind]["max"].max() - stats[kind]["min"].min() > 1e-3  # not P = I
+    assert preconditioner_stats(model(preconditioner="none")) == {}
+    scalar = preconditioner_stats(model(preconditioner="scalar"))
+    np.testing.assert_allclose(scalar["mlp"]["mean"], [1.0, 1.0], rtol=1e-6)  # init: P = I

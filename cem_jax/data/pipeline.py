@@ -28,6 +28,7 @@ padded, whole padding rows added so that every process gets the same number of b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -48,6 +49,8 @@ from cem_jax.data.corpus import Split, cache_root, resolve_split
 from cem_jax.data.tokenizer import TRAINER_VERSION, Tokenizer, load_tokenizer, train_tokenizer
 
 PACKING_VERSION = 1  # bump when the stream layout changes: it invalidates cached token files
+# Token files read and verified in this process: (path, key, size, mtime_ns) → their split.
+_LOADED: dict[tuple[str, str, int, int], TokenizedSplit] = {}
 ENCODE_BATCH_CHARS = 1 << 22  # characters handed to sentencepiece at once
 
 
@@ -106,13 +109,20 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
 def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> TokenizedSplit:
     """The packed token stream of `split` ("train", "validation", "milton"), tokenized once and
     cached in `cache_dir/tokens/` under a key of (split fingerprint, tokenizer SHA-256); a
-    cache file that fails verification is reported (a warning) and rebuilt.
+    cache file that fails verification is reported (a warning) and rebuilt. A file is read and
+    verified (SHA-256) once per process: later calls return the same `TokenizedSplit` while
+    the file is unchanged on disk (same size and modification time).
 
     Raises as `resolve_split` and `Split.documents` do (missing files, invalid UTF-8, empty).
     """
     source = resolve_split(cfg, split)
     key = _hash([PACKING_VERSION, source.fingerprint(), tokenizer.sha256])
     path = cache_root(cfg) / "tokens" / f"{split}-{key[:16]}.bin"
+    with contextlib.suppress(FileNotFoundError):
+        stat = path.stat()
+        loaded = _LOADED.get((str(path.absolute()), key, stat.st_size, stat.st_mtime_ns))
+        if loaded is not None:
+            return loaded
     try:
         tokens, header = read_tokens(path, key)
     except FileNotFoundError:
@@ -127,7 +137,10 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> TokenizedS
                      lambda: {"key": key, "split": split, **counts})
         tokens, header = read_tokens(path, key)
     stats = SplitStats(header["documents"], header["num_tokens"] - 1, header["bytes"])
-    return TokenizedSplit(split, source.description, tokens, stats, path)
+    loaded = TokenizedSplit(split, source.description, tokens, stats, path)
+    stat = path.stat()
+    _LOADED[(str(path.absolute()), key, stat.st_size, stat.st_mtime_ns)] = loaded
+    return loaded
 
 
 def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *,
@@ -185,13 +198,26 @@ def packed_batch(rows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
     "targets", "segment_ids" (1-based, a new one at each EOS input) and "positions"."""
     rows = rows.astype(np.int32)
     inputs = rows[:, :-1]
+    return {"inputs": inputs, "targets": rows[:, 1:],
+            "segment_ids": np.cumsum(_document_starts(inputs, eos_id), axis=1, dtype=np.int32),
+            "positions": document_positions(inputs, eos_id)}
+
+
+def document_positions(inputs: np.ndarray, eos_id: int | None) -> np.ndarray:
+    """int32 [B, T] positions of input tokens int [B, T] within their document: 0 at each
+    EOS (it starts a document) and at the row's first token, counting up in between (no EOS
+    id: 0..T-1). Training's positions, and decoding's (`cem_jax.sample.generate`)."""
+    steps = np.arange(inputs.shape[1], dtype=np.int32)
+    if eos_id is None:
+        return np.broadcast_to(steps, inputs.shape).copy()
+    starts = np.where(_document_starts(inputs, eos_id), steps, 0)
+    return steps - np.maximum.accumulate(starts, axis=1)
+
+
+def _document_starts(inputs: np.ndarray, eos_id: int) -> np.ndarray:
     starts = inputs == eos_id
     starts[:, 0] = True
-    steps = np.arange(inputs.shape[1], dtype=np.int32)
-    segment_start = np.maximum.accumulate(np.where(starts, steps, 0), axis=1)
-    return {"inputs": inputs, "targets": rows[:, 1:],
-            "segment_ids": np.cumsum(starts, axis=1, dtype=np.int32),
-            "positions": steps - segment_start}
+    return starts
 
 
 def _train_batch(windows: np.ndarray, *, tokens: np.ndarray, seq_len: int,

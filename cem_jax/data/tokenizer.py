@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from cem_jax.data.cache import atomic_file
+from cem_jax.fileio import atomic_file
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPACE_SYMBOL = "\u2581"  # "▁", sentencepiece's marker for a space

@@ -7,10 +7,14 @@ code, the ecosystem's way of shipping a new architecture:
                              DESIGN.md §1 (full score matrices, no cache)
     model.safetensors        the tensors under the names of the safetensors export
     generation_config.json   special ids, use_cache false
-    tokenizer.model, tokenizer_config.json
+    tokenizer.model, tokenizer_config.json   (`hf_tokenizer`: prompts start with EOS, as in
+                                              training and cem-sample)
 
-Load it with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` (only for
-directories you trust: it runs the shipped Python).
+Load both with `trust_remote_code=True` (only for directories you trust: it runs the shipped
+Python): `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` and
+`AutoTokenizer.from_pretrained(dir, trust_remote_code=True)` (the tokenizer is a plain
+`LlamaTokenizer`, but transformers reads config.json and its `auto_map` first: without the flag
+it asks whether to run the code and warns that a `cem` config was read as another type).
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ def export_hf(params: dict, cfg: ModelConfig, tokenizer_model: bytes, out: str |
     with staged_dir(out, overwrite) as stage:
         ids = write_tokenizer(stage, tokenizer_model)
         file_in(stage, "config.json").write_text(json.dumps(hf_config(cfg, ids), indent=2))
-        file_in(stage, "generation_config.json").write_text(json.dumps(
-            {**{k: v for k, v in ids.items() if v is not None}, "use_cache": False}, indent=2))
+        file_in(stage, "generation_config.json").write_text(
+            json.dumps({**ids, "use_cache": False}, indent=2))
         for name in TEMPLATE_FILES:
             file_in(stage, name).write_text((template / name).read_text())
         write_weights(stage, params, cfg, {"format": "pt"})

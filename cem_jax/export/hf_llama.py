@@ -9,18 +9,24 @@ relative rotation R_{s-t}); use the `hf` format for it.
 Layout: ours query [D,H,K] ↔ q_proj.weight [H·K, D] (Linear weights are [out, in]); out
 [H,K,D] ↔ o_proj.weight [D, H·K]; gate/up [D,F] ↔ [F,D]; down [F,D] ↔ [D,F]; lm_head [D,V] ↔
 [V,D]. Both sides use the half-split `rotate_half` RoPE, so no permutation of heads is needed.
+
+RoPE: θ and the scaling types default, linear and llama3 (Llama 3.x) travel both ways as
+`rope_parameters` (`ModelConfig.rope_*`); a Llama with another type (yarn, dynamic, longrope,
+...) is refused on import, naming it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
-from cem_jax.config import ModelConfig
+from cem_jax.config import ConfigFieldError, ModelConfig
+from cem_jax.energies import ROPE_TYPES
 from cem_jax.export.hf_tokenizer import write_tokenizer
-from cem_jax.export.output import ExportError, file_in, staged_dir
+from cem_jax.export.output import ExportError, file_in, staged_dir, write_safetensors
 from cem_jax.export.safetensors_io import flat_params
 
 ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "relu": "relu"}  # ours → transformers ACT2FN
@@ -54,14 +60,25 @@ def llama_incompatibility(cfg: ModelConfig) -> str | None:
 
 def llama_config(cfg: ModelConfig, tokenizer_ids: dict[str, int]) -> dict:
     """The `LlamaConfig` fields (config.json) of a baseline `cfg`."""
+    rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    max_positions = 8192  # not a limit of the model; transformers reads it for llama3 only
+    if cfg.rope_type != "default":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        original = cfg.rope_original_max_position
+        rope |= {"low_freq_factor": cfg.rope_low_freq_factor,
+                 "high_freq_factor": cfg.rope_high_freq_factor,
+                 "original_max_position_embeddings": original}
+        # the context the scaling stretches to; transformers wants it above the original one
+        max_positions = max(max_positions, original + 1, math.ceil(original * cfg.rope_factor))
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_width, "hidden_act": ACTIVATIONS[cfg.activation],
-        "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": 8192,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": max_positions,
+        "rope_parameters": rope,
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tie_embeddings,
         "dtype": cfg.param_dtype, **tokenizer_ids,
     }
@@ -92,17 +109,54 @@ def to_llama_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
+def llama_rope(config: dict) -> dict:
+    """The `ModelConfig` RoPE fields of a Llama config.json, read as transformers (v5) reads
+    them: `rope_scaling` (the old name) if set, replaces `rope_parameters`; the type is its
+    "rope_type" (old: "type"), default "default"; θ its "rope_theta", else the top-level
+    `rope_theta`, else 10000; llama3's pretraining context the top-level
+    `original_max_position_embeddings`, else the dict's, else `max_position_embeddings` (2048).
+    Raises ExportError naming a type cem_jax does not implement or a missing field."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ExportError(f"rope_parameters = {rope!r} in config.json is not a JSON object")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ExportError(f"RoPE scaling rope_type={kind!r} is not supported: cem_jax "
+                          f"implements {', '.join(ROPE_TYPES)}")
+    fields = {"rope_type": kind, "rope_theta": rope.get("rope_theta",
+                                                        config.get("rope_theta", 10000.0))}
+    if kind == "default":  # transformers' default RoPE ignores every other key
+        return fields
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ExportError(f"partial_rotary_factor={partial} with rope_type={kind!r} is not "
+                          f"supported (RoPE rotates every feature here)")
+    needed = {"factor": "rope_factor"}
+    if kind == "llama3":
+        needed |= {"low_freq_factor": "rope_low_freq_factor",
+                   "high_freq_factor": "rope_high_freq_factor"}
+        rope = {"original_max_position_embeddings": config.get("max_position_embeddings", 2048),
+                **rope}
+        if "original_max_position_embeddings" in config:
+            rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        fields["rope_original_max_position"] = rope["original_max_position_embeddings"]
+    if missing := [k for k in needed if k not in rope]:
+        raise ExportError(f"rope_parameters of rope_type={kind!r} lacks {', '.join(missing)}")
+    return fields | {ours: rope[theirs] for theirs, ours in needed.items()}
+
+
 def from_llama(config: dict, tensors: dict[str, np.ndarray]
                ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """A Hugging Face Llama (config.json dict, state dict as numpy) → (baseline ModelConfig,
-    fp32 tensors under our names: `unflat_params` makes them a model's parameters).
-    Raises ExportError naming a feature we cannot express (biases, rope scaling, another
-    activation), a missing config key or a missing tensor."""
-    rope = config.get("rope_parameters") or {"rope_type": "default",
-                                             "rope_theta": config.get("rope_theta", 10000.0)}
+    fp32 tensors under our names: `unflat_params` makes them a model's parameters), the
+    function `transformers.LlamaForCausalLM.from_pretrained` computes: RoPE as `llama_rope`;
+    the output head `lm_head.weight` unless it is absent (then the embedding; refused when
+    `tie_word_embeddings` is false, where transformers would draw a random head) or the
+    embedding's equal with `tie_word_embeddings` true (a different one is kept, as
+    transformers does).
+    Raises ExportError naming a feature we cannot express (biases, a RoPE scaling type,
+    another activation), a missing or invalid config key or a missing tensor."""
     problems = [f"{k}=true" for k in ("attention_bias", "mlp_bias") if config.get(k)]
-    if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
-        problems.append(f"rope scaling {rope.get('rope_type')!r}")
     if config.get("hidden_act", "silu") not in ACTIVATIONS:
         problems.append(f"hidden_act={config.get('hidden_act')!r}")
     if problems:
@@ -112,16 +166,29 @@ def from_llama(config: dict, tensors: dict[str, np.ndarray]
                 "intermediate_size")
     if missing := [k for k in required if k not in config]:
         raise ExportError(f"the Llama's config.json lacks {', '.join(missing)}")
+    tie = config.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ExportError(f"tie_word_embeddings = {tie!r} in config.json is not true or false")
+    head = tensors.get("lm_head.weight")
+    if head is None and not tie:
+        raise ExportError("the Llama has no lm_head.weight and tie_word_embeddings is false "
+                          "(the default): transformers would draw its output head at random; "
+                          "set \"tie_word_embeddings\": true in config.json if the head is the "
+                          "embedding")
     H = config["num_attention_heads"]
     D = config["hidden_size"]
-    tied = bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors
-    cfg = ModelConfig(
-        vocab_size=config["vocab_size"], d_model=D, num_layers=config["num_hidden_layers"],
-        num_heads=H, num_kv_heads=config.get("num_key_value_heads") or H,
-        head_dim=config.get("head_dim") or D // H, mlp_dim=config["intermediate_size"],
-        activation=config.get("hidden_act", "silu"), tie_attention=False, tie_mlp=False,
-        preconditioner="none", steps=1, position="rope", rope_theta=float(rope["rope_theta"]),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)), tie_embeddings=tied)
+    tied = head is None or (tie and np.array_equal(head, tensors.get("model.embed_tokens.weight")))
+    try:
+        cfg = ModelConfig(
+            vocab_size=config["vocab_size"], d_model=D, num_layers=config["num_hidden_layers"],
+            num_heads=H, num_kv_heads=config.get("num_key_value_heads") or H,
+            head_dim=config.get("head_dim") or D // H, mlp_dim=config["intermediate_size"],
+            activation=config.get("hidden_act", "silu"), tie_attention=False, tie_mlp=False,
+            preconditioner="none", steps=1, position="rope",
+            norm_eps=config.get("rms_norm_eps", 1e-6), tie_embeddings=tied,
+            **llama_rope(config))
+    except ConfigFieldError as err:
+        raise ExportError(f"cannot import this Llama's config.json: {err}") from None
     G, K = cfg.kv_heads, cfg.head_width
 
     def get(name):
@@ -161,15 +228,10 @@ def export_hf_llama(params: dict, cfg: ModelConfig, tokenizer_model: bytes, out:
     reason = llama_incompatibility(cfg)
     if reason:
         raise ExportError(reason)
-    import safetensors.numpy
-
     with staged_dir(out, overwrite) as stage:
         ids = write_tokenizer(stage, tokenizer_model)
         file_in(stage, "config.json").write_text(json.dumps(llama_config(cfg, ids), indent=2))
-        file_in(stage, "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
-             "pad_token_id": ids["pad_token_id"]}, indent=2))
-        safetensors.numpy.save_file(to_llama_tensors(params, cfg),
-                                    str(file_in(stage, "model.safetensors")),
-                                    metadata={"format": "pt"})
+        file_in(stage, "generation_config.json").write_text(json.dumps(ids, indent=2))
+        write_safetensors(stage, "model.safetensors", to_llama_tensors(params, cfg),
+                          {"format": "pt"})
     return Path(out)

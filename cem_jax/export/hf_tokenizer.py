@@ -6,6 +6,13 @@ The conversion matches `cem_jax.data.Tokenizer` id for id on ordinary text (iden
 normalization, no dummy prefix, byte fallback), with one known exception: a literal "▁" (U+2581)
 in the text, which `cem_jax` encodes as its three UTF-8 byte pieces so that decoding restores it,
 while the converted tokenizer reads it as a space.
+
+Document start. A model is trained on documents that each start with EOS (the packing of
+`cem_jax.data.pipeline`), and `cem-sample` puts EOS before every prompt. The exported tokenizer
+does the same: its `bos_token` is the EOS piece and it adds it (`add_bos_token`), so that
+`model.generate(**tokenizer(text, return_tensors="pt"))` continues a prompt as `cem-sample` does
+(and `decode(..., skip_special_tokens=True)` drops it). The sentencepiece model's own BOS is
+never used; pad is the model's pad piece, else EOS, as in `cem_jax.data.Tokenizer`.
 """
 
 from __future__ import annotations
@@ -13,33 +20,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import sentencepiece as spm
-
+from cem_jax.data import Tokenizer
 from cem_jax.export.output import file_in
 
 
-def special_ids(tokenizer_model: bytes) -> dict[str, int | None]:
-    """{"bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"} of a sentencepiece model
-    (None where it has no such token)."""
-    sp = spm.SentencePieceProcessor(model_proto=tokenizer_model)
-
-    def known(i: int) -> int | None:
-        return i if i >= 0 else None
-
-    return {"bos_token_id": known(sp.bos_id()), "eos_token_id": known(sp.eos_id()),
-            "pad_token_id": known(sp.pad_id()), "unk_token_id": known(sp.unk_id())}
-
-
-def write_tokenizer(directory: Path, tokenizer_model: bytes) -> dict[str, int | None]:
+def write_tokenizer(directory: Path, tokenizer_model: bytes) -> dict[str, int]:
     """Write tokenizer.model and tokenizer_config.json into `directory`; returns the special
-    ids (`special_ids`) for the model's config.json."""
-    sp = spm.SentencePieceProcessor(model_proto=tokenizer_model)
-    ids = special_ids(tokenizer_model)
-    tokens = {f"{name}_token": sp.id_to_piece(ids[f"{name}_token_id"])
-              for name in ("bos", "eos", "pad", "unk") if ids[f"{name}_token_id"] is not None}
-    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
+    ids {"bos_token_id", "eos_token_id", "pad_token_id"} that config.json and
+    generation_config.json must carry (bos = eos: the document start). Raises ValueError for a
+    sentencepiece model without EOS."""
+    tok = Tokenizer(tokenizer_model)
+    ids = {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    pieces = {f"{name}_token": tok.id_to_piece(i) for name, i in
+              (("bos", tok.eos_id), ("eos", tok.eos_id), ("pad", tok.pad_id), ("unk", tok.unk_id))
+              if i >= 0}
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True,
               "add_eos_token": False, "add_prefix_space": False, "legacy": False,
-              "clean_up_tokenization_spaces": False, "model_max_length": 8192, **tokens}
+              "clean_up_tokenization_spaces": False, "model_max_length": 8192, **pieces}
     file_in(directory, "tokenizer.model").write_bytes(tokenizer_model)
     file_in(directory, "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return {k: v for k, v in ids.items() if k != "unk_token_id"}
+    return ids

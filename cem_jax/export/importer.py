@@ -15,8 +15,9 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import safetensors
-import safetensors.numpy
+import safetensors.flax
 
 from cem_jax.config import apply_overrides, load_yaml
 from cem_jax.data import load_tokenizer
@@ -29,12 +30,15 @@ from cem_jax.train.config import config_from_dict
 # The model fields set by the Llama's config.json (a config's own values of them are replaced).
 LLAMA_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                 "mlp_dim", "activation", "tie_attention", "tie_mlp", "preconditioner", "steps",
-                "position", "rope_theta", "norm_eps", "tie_embeddings")
+                "position", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_position", "norm_eps",
+                "tie_embeddings")
 
 
 def read_llama_dir(directory: str | Path) -> tuple[dict, dict]:
     """(config.json dict, {name: numpy array}) of a Hugging Face Llama directory (one
-    model.safetensors or a sharded one with model.safetensors.index.json; never pickle).
+    model.safetensors or a sharded one with model.safetensors.index.json; never pickle; in the
+    file's dtype, bfloat16 included: read through JAX, numpy has no bfloat16 of its own).
     Raises ExportError when it is not a Llama, has no safetensors weights, or one of its files
     is not valid JSON or safetensors (the message names the file)."""
     directory = Path(directory)
@@ -54,7 +58,8 @@ def read_llama_dir(directory: str | Path) -> tuple[dict, dict]:
             raise ExportError(f"{directory} lacks safetensors weights {name!r} (pickled "
                               f"pytorch_model.bin files are not read)")
         try:
-            tensors |= safetensors.numpy.load_file(str(path))
+            tensors |= {k: np.asarray(v) for k, v in
+                        safetensors.flax.load_file(str(path)).items()}
         except safetensors.SafetensorError as err:
             raise ExportError(f"{path} is not a readable safetensors file ({err}): it may be "
                               f"truncated; download it again") from None

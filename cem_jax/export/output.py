@@ -11,7 +11,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from cem_jax.data.cache import umask_mode
+import safetensors.numpy
+
+from cem_jax.fileio import umask_mode
 
 MARKER = ".cem_jax_output"
 
@@ -70,6 +72,14 @@ def staged_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(old)
     else:
         stage.rename(out)
+
+
+def write_safetensors(directory: Path, name: str, tensors: dict, metadata: dict) -> None:
+    """Write {name: numpy array} `tensors` as safetensors file `name` in `directory` (see
+    `file_in`), readable as a plain `open` would make it (safetensors creates files 0600)."""
+    path = file_in(directory, name)
+    safetensors.numpy.save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, umask_mode(0o666))
 
 
 def file_in(directory: Path, name: str) -> Path:

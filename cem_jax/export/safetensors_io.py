@@ -34,8 +34,8 @@ import numpy as np
 import safetensors.numpy
 
 from cem_jax.config import ModelConfig, from_dict
-from cem_jax.export.output import ExportError, file_in, staged_dir
-from cem_jax.rundir import model_from_params
+from cem_jax.export.output import ExportError, file_in, staged_dir, write_safetensors
+from cem_jax.model import model_from_params
 
 FORMAT, FORMAT_VERSION = "cem_jax", 1
 WEIGHTS = "model.safetensors"
@@ -104,8 +104,7 @@ def config_json(cfg: ModelConfig) -> dict:
 
 def write_weights(directory: Path, params: dict, cfg: ModelConfig, metadata: dict) -> None:
     """Write `model.safetensors` (names above) into `directory`."""
-    safetensors.numpy.save_file(flat_params(params, cfg), str(file_in(directory, WEIGHTS)),
-                                metadata=metadata)
+    write_safetensors(directory, WEIGHTS, flat_params(params, cfg), metadata)
 
 
 def export_safetensors(params: dict, cfg: ModelConfig, tokenizer_model: bytes, out: str | Path,

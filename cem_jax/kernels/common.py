@@ -28,15 +28,18 @@ class BlockSizes:
     """Tile sizes of the tied flash-attention kernels (rows of q and of k per program).
 
     block_q, block_k: query / key tile of the forward pass.
-    block_q_bwd, block_k_bwd: query / key tile of the two backward kernels (dq and dk).
+    block_q_bwd, block_k_bwd: query / key tile of the backward kernels.
     num_warps, num_stages: Triton launch settings of the GPU forward kernel (None: 4 warps
       for a tile of at most 64×64, else 8; 2 software-pipelining stages); unused on TPU.
-    num_warps_bwd, num_stages_bwd: the same for the two GPU backward kernels.
+    num_warps_bwd, num_stages_bwd: the same for the GPU backward kernels.
+    fused_bwd: GPU backward as one kernel that adds dq atomically (5 tile matmuls per query
+      tile × key tile pair) instead of a dq and a dk kernel that both recompute the scores
+      (7); unused on TPU, whose backward is always the two kernels (README.md says why).
     Blocks are clipped to the (padded) sequence length, so short sequences use one tile.
     Compiled TPU runs want multiples of 128 for the key tiles (lane width) and of 8 for the
     query tiles; compiled GPU (Triton) runs need powers of two ≥ 16 (checked at the call).
-    Raises `ValueError` for a block that is not a positive multiple of 8, or a non-positive
-    num_warps / num_stages.
+    Raises `ValueError` for a block that is not a positive multiple of 8, a non-positive
+    num_warps / num_stages, or a non-bool fused_bwd.
     """
 
     block_q: int = 128
@@ -47,6 +50,7 @@ class BlockSizes:
     num_stages: int = 2
     num_warps_bwd: int | None = None
     num_stages_bwd: int = 2
+    fused_bwd: bool = True
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
@@ -58,6 +62,8 @@ class BlockSizes:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"BlockSizes.{name} = {v!r}: must be a positive int")
+        if not isinstance(self.fused_bwd, bool):
+            raise ValueError(f"BlockSizes.fused_bwd = {self.fused_bwd!r}: must be a bool")
 
     @property
     def blocks(self) -> tuple[int, int, int, int]:
@@ -120,11 +126,20 @@ def validate(q, k, causal, segment_ids, scale, block_sizes, backend) -> None:
         raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS} or None")
 
 
+def target_platform() -> str:
+    """The platform being traced for: the device platform of the abstract mesh in context
+    ("tpu", "gpu", "cpu"; set when lowering for a TPU or GPU from a CPU host, DESIGN.md §6,
+    and by the train and eval steps' mesh), else `jax.default_backend()`."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return jax.default_backend() if device is None else device.platform
+
+
 def resolve_backend(backend: str | None, interpret) -> tuple[str, object]:
-    """(backend, interpret) after defaults: backend None picks by platform ("tpu" on TPU,
-    "gpu" on a GPU; on CPU "xla", or the "gpu" kernel interpreted when `interpret` is set);
-    interpret None means True exactly when a Pallas backend is asked for on CPU."""
-    platform = jax.default_backend()
+    """(backend, interpret) after defaults: backend None picks by the `target_platform()`
+    ("tpu" on TPU, "gpu" on a GPU; on CPU "xla", or the "gpu" kernel interpreted when
+    `interpret` is set); interpret None means True exactly when a Pallas backend is asked for
+    on CPU."""
+    platform = target_platform()
     on_cpu = platform not in ("tpu", "gpu", "cuda", "rocm")
     if backend is None:
         if platform == "tpu":
@@ -204,6 +219,7 @@ class KernelParams:
     num_stages: int = 2
     num_warps_bwd: int | None = None
     num_stages_bwd: int = 2
+    fused_bwd: bool = True
     interpret: object = False
 
 

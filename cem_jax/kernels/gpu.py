@@ -11,17 +11,26 @@ transposes: a tile is bq rows of one head, strided by H·Kp), every array alread
 Forward, grid (Tp/bq, B, H): one program keeps a query tile in registers and loops over key
 tiles up to the diagonal (causal tiles above it are never visited; only tiles that straddle
 it build the causal mask), with the online softmax; it writes o and lse = m + log l.
-Backward: a dq kernel, grid (Tp/bq, B, H), loops over key tiles up to the diagonal; a dk
-kernel, grid (Sp/bk, B, G), loops over the R query heads of its group and the query tiles from
-the diagonal on. With p = exp(β q kᵀ - lse), δ = rowsum(do ⊙ o) - ḡ
-(ḡ: the cotangent of lse), ds = p ⊙ (do kᵀ - δ):
+Backward (default, `fused_bwd`): one kernel, grid (Sp/bk, B, G): a program keeps a key tile
+and its dk accumulator in registers and loops over the R query heads of its group and their
+query tiles from the diagonal on; each pair's dq contribution is added atomically into an fp32
+dq, cast to q.dtype afterwards. With p = exp(β q kᵀ - lse), δ = rowsum(do ⊙ o) - ḡ
+(ḡ: the cotangent of lse), ds = β p ⊙ (do kᵀ - δ):
 
-    dq = β ds k,    dk = β dsᵀ q + pᵀ do    (the second term is the value gradient, folded)
+    dq = ds k,    dk = dsᵀ q + pᵀ do    (the second term is the value gradient, folded)
 
-Verified compiled on an H200 (jax 0.11.2: the tests in benchmarks/results/kernel_tests_h200.txt)
-and in interpret mode on CPU (`interpret=True`, how CI runs it). Speed at B=4, T=4096, H=16,
-K=128, bf16: benchmarks/results/attention_h200.txt. JAX has deprecated Pallas' Triton backend in
-favour of Mosaic GPU; this kernel still compiles and runs on jax 0.11.2.
+five tile matmuls per (query tile, key tile) pair (q kᵀ, do kᵀ, ds k, dsᵀ q, pᵀ do), the
+FlashAttention-2 count. Split (`fused_bwd=False`, kept to time against): a dq kernel, grid
+(Tp/bq, B, H), over key tiles, then the same key-tile kernel without dq; both recompute q kᵀ
+and do kᵀ, 7 tile matmuls per pair, no atomics (bitwise reproducible dq).
+
+Verified in interpret mode on CPU (`interpret=True`, how CI runs it; the atomic add is a plain
+add there) and by lowering for CUDA on CPU (the kernels launched, their launch settings and the
+tt.dot count of each loop). The split backward and the forward were verified compiled on an
+H200 (jax 0.11.2: benchmarks/results/kernel_tests_h200.txt); the fused backward has not been
+compiled on a GPU yet. Speed at B=4, T=4096, H=16, K=128, bf16:
+benchmarks/results/attention_h200.txt (before the fused backward). JAX has deprecated Pallas'
+Triton backend in favour of Mosaic GPU; this kernel still compiles and runs on jax 0.11.2.
 """
 
 from __future__ import annotations
@@ -150,7 +159,17 @@ def forward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, p: Ker
     )(*args)
 
 
+def _tile_grads(q, k, do, lse, delta, mask, scale):
+    """p = exp(β q kᵀ - lse) (0 where masked) and ds = β p ⊙ (do kᵀ - δ), fp32 [bq,bk]: the
+    two tile matmuls every backward kernel recomputes. lse comes in base-2 units (· log2 e)."""
+    pr = jnp.exp2(dot_nt(q, k) * (scale * LOG2E) - lse)
+    if mask is not None:
+        pr = jnp.where(mask, pr, 0.0)
+    return pr, scale * pr * (dot_nt(do, k) - delta)
+
+
 def _dq_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams, has_seg: bool):
+    """Split backward only: dq += ds k over the key tiles of one query tile (3 matmuls)."""
     sq_ref, sk_ref, (dq_ref,) = _segments(refs, has_seg)
     bq, bk = p.block_q_bwd, p.block_k_bwd
     num_k = k_ref.shape[0] // bk
@@ -166,19 +185,22 @@ def _dq_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams,
         cols = start + jnp.arange(bk)[None, :]
         seg_k = sk_ref[pl.ds(start, bk)][None, :] if has_seg else None
         mask = block_mask(rows, cols, seg_q, seg_k, causal=causal, kv_len=p.kv_len)
-        pr = jnp.exp2(dot_nt(q, k) * (p.scale * LOG2E) - lse)
-        if mask is not None:
-            pr = jnp.where(mask, pr, 0.0)
-        ds = pr * (dot_nt(do, k) - delta)
+        _, ds = _tile_grads(q, k, do, lse, delta, mask, p.scale)
         return dq + dot_nn(ds.astype(k.dtype), k)
 
     dq = _causal_loops(body, jnp.zeros(q.shape, jnp.float32),
                        *_kv_range(i, bq, bk, num_k, p.causal))
-    dq_ref[...] = (p.scale * dq).astype(dq_ref.dtype)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def _dk_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams, has_seg: bool):
-    sq_ref, sk_ref, (dk_ref,) = _segments(refs, has_seg)
+    """dk += dsᵀ q + pᵀ do over the query tiles of one key tile, and with `p.fused_bwd` also
+    dq += ds k, added atomically into the fp32 dq of the whole group (5 matmuls; split: 4)."""
+    sq_ref, sk_ref, outs = _segments(refs, has_seg)
+    if p.fused_bwd:
+        _, dk_ref, dq_ref = outs  # the first is the zeros input that dq_ref aliases
+    else:
+        (dk_ref,) = outs
     bq, bk = p.block_q_bwd, p.block_k_bwd
     num_q = q_ref.shape[0] // bq
     j = pl.program_id(0)  # first-first: the first key tiles are read by the most queries
@@ -203,11 +225,12 @@ def _dk_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams,
             rows = start + jnp.arange(bq)[:, None]
             seg_q = sq_ref[pl.ds(start, bq)][:, None] if has_seg else None
             mask = block_mask(rows, cols, seg_q, seg_k, causal=causal, kv_len=p.kv_len)
-            pr = jnp.exp2(dot_nt(q, k) * (p.scale * LOG2E) - lse)
-            if mask is not None:
-                pr = jnp.where(mask, pr, 0.0)
-            ds = pr * (dot_nt(do, k) - delta)
-            return dk + p.scale * dot_tn(ds.astype(q.dtype), q) + dot_tn(pr.astype(do.dtype), do)
+            pr, ds = _tile_grads(q, k, do, lse, delta, mask, p.scale)
+            ds = ds.astype(q.dtype)
+            if p.fused_bwd:
+                head = jnp.int32(r)  # not a Python int: the interpreter's atomic rule needs a shape
+                plgpu.atomic_add(dq_ref, (pl.ds(start, bq), head, slice(None)), dot_nn(ds, k))
+            return dk + dot_tn(ds, q) + dot_tn(pr.astype(do.dtype), do)
 
         for start, stop, causal in ranges:
             dk = lax.fori_loop(start, stop, functools.partial(body, causal=causal), dk)
@@ -217,18 +240,16 @@ def _dk_kernel(q_ref, k_ref, do_ref, lse_ref, delta_ref, *refs, p: KernelParams,
 def backward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, do: Array,
              lse: Array, delta: Array, p: KernelParams) -> tuple[Array, Array]:
     """(dq [B,Tp,H,Kp], dk [B,Sp,G,Kp]) from the padded inputs, do [B,Tp,H,Kp] and fp32
-    lse, delta [B,H,Tp] (delta = rowsum(do ⊙ o) minus the cotangent of lse)."""
+    lse, delta [B,H,Tp] (delta = rowsum(do ⊙ o) minus the cotangent of lse).
+
+    Fused (`p.fused_bwd`): one kernel, grid (Sp/bk, B, G), adds dq in fp32 atomically (the
+    order of the additions, hence dq's last bits, varies between runs) and dq is cast to
+    q.dtype afterwards. Split: a dq kernel, grid (Tp/bq, B, H), then the dk kernel."""
     B, Tp, H, Kp = q.shape
     Sp, G = k.shape[1], k.shape[2]
     R, bq, bk = p.ratio, p.block_q_bwd, p.block_k_bwd
     num_q = Tp // bq
     has_seg = seg_q is not None
-    row = lambda n, b, h: (b, _last_first(n, num_q), h, 0)  # noqa: E731
-    vec = lambda n, b, h: (b, h, _last_first(n, num_q))  # noqa: E731
-    dq_specs = [pl.BlockSpec((None, bq, None, Kp), row),
-                pl.BlockSpec((None, Sp, None, Kp), lambda n, b, h: (b, 0, h // R, 0)),
-                pl.BlockSpec((None, bq, None, Kp), row),
-                pl.BlockSpec((None, None, bq), vec), pl.BlockSpec((None, None, bq), vec)]
     group = lambda j, b, g: (b, 0, g, 0)  # noqa: E731  (the R query heads of key head g)
     key_tile = lambda j, b, g: (b, j, g, 0)  # noqa: E731
     dk_specs = [pl.BlockSpec((None, Tp, R, Kp), group),
@@ -238,12 +259,32 @@ def backward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, do: A
                 pl.BlockSpec((None, R, Tp), lambda j, b, g: (b, g, 0))]
     args = [q, k, do, lse, delta]
     if has_seg:
-        dq_specs += [pl.BlockSpec((None, bq), lambda n, b, h: (b, _last_first(n, num_q))),
-                     pl.BlockSpec((None, Sp), lambda n, b, h: (b, 0))]
         dk_specs += [pl.BlockSpec((None, Tp), lambda j, b, g: (b, 0)),
                      pl.BlockSpec((None, bk), lambda j, b, g: (b, j))]
         args += [seg_q, seg_k]
     bwd_params = _compiler_params(Kp, bq, bk, p.num_warps_bwd, p.num_stages_bwd)
+    dk_kernel = functools.partial(_dk_kernel, p=p, has_seg=has_seg)
+    if p.fused_bwd:
+        dq_spec = pl.BlockSpec((None, Tp, R, Kp), group)
+        dk, dq = pl.pallas_call(
+            dk_kernel, grid=(Sp // bk, B, G), in_specs=[*dk_specs, dq_spec],
+            out_specs=[pl.BlockSpec((None, bk, None, Kp), key_tile), dq_spec],
+            out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                       jax.ShapeDtypeStruct(q.shape, jnp.float32)],
+            input_output_aliases={len(args): 1},  # dq starts as the zeros passed in
+            compiler_params=bwd_params, interpret=p.interpret,
+            name="cem_tied_attention_bwd_gpu",
+        )(*args, jnp.zeros(q.shape, jnp.float32))
+        return dq.astype(q.dtype), dk
+    row = lambda n, b, h: (b, _last_first(n, num_q), h, 0)  # noqa: E731
+    vec = lambda n, b, h: (b, h, _last_first(n, num_q))  # noqa: E731
+    dq_specs = [pl.BlockSpec((None, bq, None, Kp), row),
+                pl.BlockSpec((None, Sp, None, Kp), lambda n, b, h: (b, 0, h // R, 0)),
+                pl.BlockSpec((None, bq, None, Kp), row),
+                pl.BlockSpec((None, None, bq), vec), pl.BlockSpec((None, None, bq), vec)]
+    if has_seg:
+        dq_specs += [pl.BlockSpec((None, bq), lambda n, b, h: (b, _last_first(n, num_q))),
+                     pl.BlockSpec((None, Sp), lambda n, b, h: (b, 0))]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, p=p, has_seg=has_seg),
         grid=(num_q, B, H), in_specs=dq_specs,
@@ -253,8 +294,7 @@ def backward(q: Array, k: Array, seg_q: Array | None, seg_k: Array | None, do: A
         name="cem_tied_attention_dq_gpu",
     )(*args)
     dk = pl.pallas_call(
-        functools.partial(_dk_kernel, p=p, has_seg=has_seg),
-        grid=(Sp // bk, B, G), in_specs=dk_specs,
+        dk_kernel, grid=(Sp // bk, B, G), in_specs=dk_specs,
         out_specs=pl.BlockSpec((None, bk, None, Kp), key_tile),
         out_shape=jax.ShapeDtypeStruct(k.shape, k.dtype),
         compiler_params=bwd_params, interpret=p.interpret,

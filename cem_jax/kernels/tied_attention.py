@@ -53,9 +53,12 @@ def tied_attention(q: Array, k: Array, *, causal: bool = True, segment_ids: Arra
         when q, k are the rotated queries and keys of a CEM layer.
       block_sizes: `BlockSizes` (default `BlockSizes.get_default(backend)`).
       backend: "tpu" (Pallas/Mosaic TPU), "gpu" (Pallas/Triton), "xla" (the `jnp` reference,
-        differentiated by autodiff) or None: by platform (TPU → "tpu", GPU → "gpu",
-        CPU → "xla", or "gpu" interpreted when `interpret` is set).
-      interpret: run the Pallas kernel in interpret mode (CPU); None = True exactly on CPU.
+        differentiated by autodiff) or None: by the platform traced for (TPU → "tpu",
+        GPU → "gpu", CPU → "xla", or "gpu" interpreted when `interpret` is set): the device
+        of the abstract mesh in context when it has one (lowering for a TPU from a CPU host),
+        else `jax.default_backend()` (`common.target_platform`).
+      interpret: run the Pallas kernel in interpret mode (CPU); None = True exactly when that
+        platform is the CPU.
         For "tpu" a `jax.experimental.pallas.tpu.InterpretParams` selects the TPU interpreter.
 
     Returns:
@@ -96,7 +99,8 @@ def tied_attention(q: Array, k: Array, *, causal: bool = True, segment_ids: Arra
                               ratio=H // G, block_q=bq, block_k=bk, block_q_bwd=bqb,
                               block_k_bwd=bkb, num_warps=bs.num_warps,
                               num_stages=bs.num_stages, num_warps_bwd=bs.num_warps_bwd,
-                              num_stages_bwd=bs.num_stages_bwd, interpret=interpret)
+                              num_stages_bwd=bs.num_stages_bwd, fused_bwd=bs.fused_bwd,
+                              interpret=interpret)
         qp = pad_axis(pad_axis(q, 1, Tp), 3, Kp)  # no copy when nothing needs padding
         kp = pad_axis(pad_axis(k, 1, Sp), 3, Kp)
         seg = None

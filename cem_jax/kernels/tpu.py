@@ -17,6 +17,15 @@ The TPU pipeline streams blocks through VMEM: the innermost grid axis is the red
 - dk, grid (B, G, Sp/bk, R·Tp/bq): dk += β dsᵀ q + pᵀ do over the R query heads of the group
   and their query tiles (the value gradient folded into dk).
 
+The backward stays two kernels, 7 tile matmuls per (query tile, key tile) pair (dq and dk both
+recompute q kᵀ and do kᵀ; the GPU kernel fuses them into 5): a Mosaic TPU program owns its
+output blocks and has no atomic add, so a fused kernel would have to keep one side's gradient
+for the whole sequence in VMEM (dk: S·Kp fp32 per key head, 8·S·Kp bytes with its double-
+buffered output: 28 MiB at S = 4096 for a DPLR concatenated head, K + D = 64 + 768 padded to
+Kp = 896 lanes, over the 16-32 MiB scoped VMEM) or write one partial dq per key tile to HBM
+and sum them (splash attention's `use_fused_bwd_kernel`: S/bk times the size of dq). Neither
+can be measured without a TPU.
+
 Causal: tiles strictly above the diagonal skip their compute (`pl.when`) and their index maps
 repeat the last useful block, so the pipeline issues no copy for them; only tiles that straddle
 the diagonal build the causal mask.

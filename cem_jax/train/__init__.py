@@ -1,7 +1,8 @@
-"""Training: config sections, mesh and sharding, optimizer, compiled steps, checkpoints,
-metrics, sampling, and the `cem-train` loop (see `cem_jax.train.loop`)."""
+"""Training: config sections, optimizer, compiled steps, checkpoints,
+metrics, and the `cem-train` loop (see `cem_jax.train.loop`)."""
 
 from cem_jax.train.config import TrainConfig, load_config
-from cem_jax.train.loop import TrainingDiverged, evaluate, main, train
+from cem_jax.train.loop import TrainingDiverged
+from cem_jax.train.run import main, train
 
-__all__ = ["TrainConfig", "TrainingDiverged", "evaluate", "load_config", "main", "train"]
+__all__ = ["TrainConfig", "TrainingDiverged", "load_config", "main", "train"]

@@ -6,7 +6,9 @@
 
 Saving is asynchronous (training continues while arrays are written); orbax writes each step
 into a temporary directory and renames it when complete, so a run killed mid-save leaves the
-previous checkpoint as the latest. The newest `keep` are kept.
+previous checkpoint as the latest. The newest `keep` are kept. A restore first compares the
+saved arrays (names, shapes, dtypes) with the state the run builds, so a checkpoint of another
+structure (another cem_jax version's optimizer, say) is refused by name, not read as corrupt.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 from cem_jax.data import Tokenizer
@@ -52,7 +55,9 @@ class Checkpointer:
                 ) -> tuple[dict, dict[str, Any]]:
         """Restore step `step` onto the shardings of `abstract_state` (ShapeDtypeStructs with
         `sharding`, from `Trainer.abstract_state`) and move `iterator` to its saved position.
-        Returns (state, meta). Raises CheckpointError naming the directory when it fails."""
+        Returns (state, meta). Raises CheckpointError naming the directory when it fails, and
+        naming the differing arrays when the checkpoint's state has another structure."""
+        self._check_structure(step, abstract_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state),
@@ -66,6 +71,25 @@ class Checkpointer:
                 f"(the next older step is then used), or start a new run directory") from err
         return restored["state"], restored["meta"]
 
+    def _check_structure(self, step: int, abstract_state: dict) -> None:
+        """CheckpointError unless step `step` saved the arrays of `abstract_state` (same
+        names, shapes and dtypes); a metadata read that fails is left to the restore."""
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            saved = _arrays(handler.metadata(self.directory / str(step) / "state").tree)
+        except Exception:  # unreadable metadata: the restore reports the checkpoint corrupt
+            return
+        finally:
+            handler.close()
+        built = _arrays(abstract_state)
+        if differ := sorted(k for k in saved.keys() | built.keys() if saved.get(k) != built.get(k)):
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} holds a train state unlike the one "
+                f"this run builds ({len(differ)} arrays differ, first {differ[0]}: saved "
+                f"{saved.get(differ[0], 'none')}, built {built.get(differ[0], 'none')}): it was "
+                f"written by another version of cem_jax or another config; resume it with the "
+                f"ones that wrote it, or give another run.dir")
+
     def wait(self) -> None:
         """Block until pending asynchronous saves are on disk."""
         self.manager.wait_until_finished()
@@ -74,3 +98,12 @@ class Checkpointer:
         """Finish pending saves and release the manager's threads."""
         self.manager.close()
 
+
+def _arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{dotted path ("opt_state.1.0.mu.embed", as orbax names saved arrays): (shape, dtype)}
+    of the array leaves of `tree` (arrays, ShapeDtypeStructs or orbax ArrayMetadata)."""
+    def part(key) -> str:
+        return str(next(getattr(key, a) for a in ("key", "idx", "name") if hasattr(key, a)))
+
+    return {".".join(part(k) for k in path): (tuple(leaf.shape), str(leaf.dtype))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}

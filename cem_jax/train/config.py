@@ -1,6 +1,7 @@
 """The run's configuration: `model`, `data`, `optimizer`, `mesh` and `run` sections of one YAML
-file, with `section.key=value` overrides, validated (each error names the field) and saved
-resolved as `config.yaml` in the run directory.
+file (which may inherit from another through `base:`, see `cem_jax.config.load_yaml`), with
+`section.key=value` overrides, validated (each error names the field) and saved resolved as
+`config.yaml` in the run directory.
 
     cfg = load_config("configs/shakespeare_cem.yaml", ["run.steps=20", "optimizer.lr=3e-3"])
 """
@@ -64,7 +65,7 @@ class MeshConfig:
     """Device mesh axes `data` × `fsdp` × `tensor` (one may be -1: all remaining devices).
 
     Batches are split over data and fsdp; parameters are sharded over fsdp (their "embed"
-    axis) and tensor ("heads", "kv_heads", "mlp", "vocab"), see `cem_jax.train.sharding`.
+    axis) and tensor ("heads", "kv_heads", "mlp", "vocab"), see `cem_jax.sharding`.
     Multi-host: `coordinator_address` ("host:port"), `num_processes` and `process_id` are passed
     to `jax.distributed.initialize`; with `distributed: true` and them left null, JAX finds them
     in the cluster's environment (TPU pods, SLURM, ...). `distributed: false` (default) runs
@@ -191,9 +192,11 @@ def config_from_dict(values: dict[str, Any]) -> TrainConfig:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """Read YAML `path` (None: all defaults) and apply `section.key=value` overrides.
+    """Read YAML `path` (None: all defaults; its `base:` chain resolved) and apply
+    `section.key=value` overrides.
 
-    Raises FileNotFoundError (no such file) or ValueError (bad YAML, unknown or invalid field).
+    Raises FileNotFoundError (no such file or base) or ValueError (bad YAML, a cycle of bases,
+    an unknown or invalid field).
     """
     values = load_yaml(path) if path is not None else {}
     return config_from_dict(apply_overrides(values, list(overrides)))

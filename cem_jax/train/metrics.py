@@ -5,12 +5,13 @@ FLOPs (`flops_per_token`): a matmul of an [n,a] by [a,b] costs 2·n·a·b. Per t
 D, H, G (key heads), K, F, V, L layers, S = cfg.steps, and N = the sequence length T (attention
 is counted over the full T as in PaLM's MFU, not halved for causality):
 
-  attention, tied:   keys 2·D·G·K once + S × (query 2·D·H·K + scores 2·H·K·N + p·k 2·H·K·N
-                     + output with Wqᵀ 2·H·K·D)
+  attention, tied:   keys 2·D·G·K per context + S × (query 2·D·H·K + scores 2·H·K·N
+                     + p·k 2·H·K·N + output with Wqᵀ 2·H·K·D)
      DPLR adds per step a width-D head: scores 2·D·N per head (once if shared) + p·c 2·H·D·N
-  attention, untied: keys and values 2·2·D·G·K once + S × (query, scores, p·v, output, as above)
-  MLP, tied:         up 2·D·F once + S × (gate 2·D·F + gateᵀ 2·D·F)
-  MLP, untied:       up 2·D·F once + S × (gate 2·D·F + down 2·F·D)
+  attention, untied: keys and values 2·2·D·G·K per context + S × (query, scores, p·v, output)
+  MLP, tied:         up 2·D·F per context + S × (gate 2·D·F + gateᵀ 2·D·F)
+  MLP, untied:       up 2·D·F per context + S × (gate 2·D·F + down 2·F·D)
+  contexts per sub-layer: 1, or S with recompute_context (keys, values and Wu c of every step)
   preconditioner "dplr": S × 2·2·D·r per sub-layer;  output head 2·D·V
   (norms, RoPE, softmax, activations and the embedding lookup are not counted)
 
@@ -28,10 +29,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.proto.summary_pb2 import Summary
 
 from cem_jax.config import ModelConfig
-from cem_jax.data.cache import atomic_file
+from cem_jax.fileio import atomic_file
 
 # Peak dense bf16 FLOP/s per device, by whole words of `jax.Device.device_kind` (vendor
 # sheets); the first name that matches wins, so a longer name precedes its prefix.
@@ -45,14 +48,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> fl
     D, H, G, K, F, V, S, N = (cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_width,
                               cfg.mlp_dim, cfg.vocab_size, cfg.steps, seq_len)
     per_step = 2 * D * H * K * 2 + 2 * H * K * N * 2
+    contexts = S if cfg.recompute_context else 1
     if cfg.tie_attention:
-        once = 2 * D * G * K
+        context = 2 * D * G * K
         if cfg.interaction == "dplr":
             per_step += 2 * D * N * (H if cfg.diagonal == "per_head" else 1) + 2 * H * D * N
     else:
-        once = 2 * 2 * D * G * K
-    attention = once + S * per_step
-    mlp = 2 * D * F + S * 2 * (2 * D * F)
+        context = 2 * 2 * D * G * K
+    attention = contexts * context + S * per_step
+    mlp = contexts * 2 * D * F + S * 2 * (2 * D * F)
     precond = 2 * S * 2 * 2 * D * cfg.preconditioner_rank if cfg.preconditioner == "dplr" else 0
     forward = cfg.num_layers * (attention + mlp + precond) + 2 * D * V
     return float(forward * (3 if training else 1))
@@ -102,24 +106,33 @@ def peak_flops(configured: float | None) -> tuple[float, str]:
 
 
 class MetricsWriter:
-    """Append metric records to `run_dir/metrics.jsonl` and TensorBoard event files in
+    """Append metric records to `run_dir/metrics.jsonl` and to a TensorBoard event file in
     `run_dir/tensorboard`; a no-op on processes other than 0.
 
-    A run resumed from step N (`resume_step`) trains steps N+1, ... again: the records of
-    those steps that a killed process had logged are dropped from metrics.jsonl (rewritten
-    atomically), and TensorBoard purges them (`purge_step`), so each step is logged once."""
+    Records go to both files in the caller's thread (tensorboardX's `EventsWriter`, without the
+    queue and thread of its `SummaryWriter`), so `flush` puts every record written so far into
+    both: the loop flushes before each checkpoint, and a process killed after a checkpoint has
+    logged every step it covers. The event file is created at the first record (a process
+    that logs nothing leaves none).
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None):
+    A run resumed from step N (`resume_step`; 0 for a new run) trains steps N+1, ... (again):
+    the records of those steps that a killed process had logged are dropped from
+    metrics.jsonl (rewritten atomically), and the new event file opens with TensorBoard's
+    purge of steps > N (a `SessionLog.START` event at step N+1, as `SummaryWriter(purge_step=)`
+    writes; TensorBoard applies it to the older files), so each step is shown once."""
+
+    def __init__(self, run_dir: Path, resume_step: int = 0):
         self.active = jax.process_index() == 0
+        self.tensorboard, self.resume_step = Path(run_dir) / "tensorboard", resume_step
+        self.events: EventsWriter | None = None
         if self.active:
             path = Path(run_dir) / "metrics.jsonl"
-            if resume_step is not None and path.is_file():
-                lines = path.read_bytes().splitlines(keepends=True)
+            lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
+            kept = [line for line in lines if _logged_by(line, resume_step)]
+            if kept != lines:
                 with atomic_file(path) as f:
-                    f.writelines(line for line in lines if _logged_by(line, resume_step))
+                    f.writelines(kept)
             self.jsonl = open(path, "a")  # noqa: SIM115
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"),
-                                    purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, step: int, kind: str, values: dict[str, float]) -> None:
         """One record {"step", "kind" ("train"/"eval"), "time", **values}; TensorBoard tags
@@ -130,14 +143,41 @@ class MetricsWriter:
                   **{k: float(v) for k, v in values.items()}}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
-        for name, value in values.items():
-            self.tb.add_scalar(f"{kind}/{name}", float(value), step)
+        if self.events is None:
+            self.tensorboard.mkdir(exist_ok=True)
+            # Its name: "events.out.tfevents.<s>.<host>.<ns>", in creation order within a second.
+            self.events = EventsWriter(str(self.tensorboard / "events"), f".{time.time_ns()}")
+            self.events.write_event(Event(step=self.resume_step + 1, session_log=SessionLog(
+                status=SessionLog.START)))
+        summary = Summary(value=[Summary.Value(tag=f"{kind}/{name}", simple_value=float(value))
+                                 for name, value in values.items()])
+        self.events.write_event(Event(wall_time=record["time"], step=step, summary=summary))
+
+    def flush(self) -> None:
+        """Hand every record written so far to the operating system (it outlives the process,
+        SIGKILL included)."""
+        if self.active:
+            self.jsonl.flush()
+            if self.events is not None:
+                self.events.flush()
 
     def close(self) -> None:
         """Flush and close the files."""
         if self.active:
             self.jsonl.close()
-            self.tb.close()
+            if self.events is not None:
+                self.events.close()
+
+
+def logged_values(run_dir: Path, step: int, kind: str) -> dict[str, float] | None:
+    """The values of the last whole `kind` ("train"/"eval") record of `step` in
+    `run_dir/metrics.jsonl` (without "step", "kind", "time"), or None if it holds none."""
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = path.read_bytes().splitlines() if path.is_file() else []
+    records = [json.loads(line) for line in lines if _logged_by(line, step)]
+    found = [r for r in records if r["step"] == step and r.get("kind") == kind]
+    return {k: v for k, v in found[-1].items() if k not in ("step", "kind", "time")} \
+        if found else None
 
 
 def _logged_by(line: bytes, step: int) -> bool:

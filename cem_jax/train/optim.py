@@ -1,5 +1,9 @@
 """The optimizer: optax AdamW, warmup + cosine learning rate, global-norm clipping, and weight
-decay on weight matrices only."""
+decay on weight matrices only.
+
+The optimizer state's tree structure depends on no `OptimizerConfig` field (clipping off is an
+`optax.identity()` in the clip's place, weight_decay 0 keeps its masked transform): a run
+resumes from its checkpoint whatever optimizer setting changed."""
 
 from __future__ import annotations
 
@@ -27,9 +31,11 @@ def decay_mask(params) -> dict:
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    """clip_by_global_norm(clip_norm) (if > 0) then AdamW(schedule, b1, b2, eps, weight_decay,
-    mask=`decay_mask`). Apply to gradients of a pure-dict parameter tree."""
-    adamw = optax.adamw(learning_rate(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 \
-        else adamw
+    """chain(clip_by_global_norm(clip_norm), or identity when clip_norm is 0; AdamW(schedule,
+    b1, b2, eps, weight_decay, mask=`decay_mask`)). Apply to gradients of a pure-dict
+    parameter tree. Both clip stages keep an empty state: the state's structure is the same
+    for every `cfg`."""
+    clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity()
+    return optax.chain(clip, optax.adamw(learning_rate(cfg, total_steps), b1=cfg.b1, b2=cfg.b2,
+                                         eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                         mask=decay_mask))

@@ -1,16 +1,16 @@
 """The train state and the compiled steps.
 
 The train state is a plain pytree {"params": nested dict of arrays (the model's `nnx.Param`s),
-"opt_state": the optax state, "step": int32 scalar (optimizer steps taken)}; `Trainer` holds what
-turns it into a model (graph definition, logical specs, mesh shardings) and the jitted steps:
+"opt_state": the optax state, "step": int32 scalar (optimizer steps taken)}; `Trainer` holds its
+mesh shardings and the jitted steps:
 
     trainer = Trainer(model_cfg, opt_cfg, total_steps, mesh)
     state = trainer.init(seed)                       # sharded on the mesh
     state, metrics = trainer.train_step(state, batch)   # state donated
-    loss_sum, weight_sum = trainer.eval_step(state["params"], batch)
+    loss_sum, weight_sum = trainer.eval_step(state["params"], batch)   # `cem_jax.evaluate`'s
 
-The model runs under the mesh (`jax.sharding.use_abstract_mesh`), so its activations stay split
-over the batch axes whatever the parameters' sharding (`cem_jax.layers.constrain`).
+The model runs under the mesh (`cem_jax.evaluate.batch_logits`), so its activations stay split
+over the batch axes whatever the parameters' sharding (`cem_jax.sharding.constrain`).
 
 Loss: mean next-token cross entropy in nats (fp32 logits). With `accumulation_steps` A, the
 batch [B,T] is dealt into A micro-batches [B/A,T] (rows a, a+A, a+2A, ..., so every device holds
@@ -28,10 +28,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cem_jax.config import ModelConfig
-from cem_jax.model import CEMTransformer
+from cem_jax.evaluate import batch_logits, make_eval_step
+from cem_jax.model import CEMTransformer, abstract_params
+from cem_jax.sharding import BATCH_AXES, batch_sharding, param_shardings, replicated
 from cem_jax.train.config import OptimizerConfig
 from cem_jax.train.optim import make_optimizer
-from cem_jax.train.sharding import BATCH_AXES, batch_sharding, param_shardings, replicated
 
 Batch = dict[str, jax.Array]
 TRAIN_KEYS = ("inputs", "targets", "segment_ids", "positions")
@@ -40,8 +41,8 @@ TRAIN_KEYS = ("inputs", "targets", "segment_ids", "positions")
 class Trainer:
     """Compiled, sharded train and eval steps of one model and optimizer on one mesh.
 
-    Attributes: graphdef, template (abstract `nnx.State` of the model), optimizer (optax),
-    state_shardings (pytree of `NamedSharding` like the train state), mesh.
+    Attributes: optimizer (optax), state_shardings (pytree of `NamedSharding` like the train
+    state), mesh.
     debug_nan_step: the step (1-based) whose loss and gradients are replaced by NaN (tests).
     """
 
@@ -50,10 +51,7 @@ class Trainer:
         self.model_cfg, self.mesh, self.debug_nan_step = model_cfg, mesh, debug_nan_step
         self.accumulation = opt_cfg.accumulation_steps
         self.optimizer = make_optimizer(opt_cfg, total_steps)
-        abstract = nnx.eval_shape(lambda: CEMTransformer(model_cfg, rngs=nnx.Rngs(0)))
-        self.graphdef, self.template = nnx.split(abstract)
-        params = nnx.to_pure_dict(self.template)
-        specs = nnx.to_pure_dict(nnx.get_partition_spec(self.template))
+        params, specs = abstract_params(model_cfg)
         p_shard = param_shardings(params, specs, mesh)
         opt_shapes = jax.eval_shape(self.optimizer.init, params)
         opt_shard = optax.tree_map_params(self.optimizer, lambda _, s: s, opt_shapes, p_shard,
@@ -64,16 +62,7 @@ class Trainer:
         self.train_step = jax.jit(self._train_step, donate_argnums=0,
                                   in_shardings=(self.state_shardings, batch_shard),
                                   out_shardings=(self.state_shardings, replicated(mesh)))
-        self.eval_step = jax.jit(self._eval_step,
-                                 in_shardings=(p_shard, {**batch_shard,
-                                                         "weights": batch_sharding(mesh)}),
-                                 out_shardings=replicated(mesh))
-
-    def model(self, params: dict) -> CEMTransformer:
-        """The NNX model holding `params` (a pure dict like `state["params"]`)."""
-        state = jax.tree.map(lambda x: x, self.template)
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self.graphdef, state)
+        self.eval_step = make_eval_step(model_cfg, mesh, p_shard)
 
     def init(self, seed: int) -> dict[str, Any]:
         """A fresh train state (parameters from `nnx.Rngs(seed)`), created sharded."""
@@ -92,18 +81,10 @@ class Trainer:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_shardings)
 
-    def logits(self, params: dict, batch: Batch) -> jax.Array:
-        """fp32 logits [B,T,V] of int32 [B,T] `batch["inputs"]`, `positions`, `segment_ids`;
-        traced (inside the jitted steps) under this mesh, so the model's activations are split
-        over its batch axes (`cem_jax.layers.constrain`)."""
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            return self.model(params)(batch["inputs"], batch["positions"],
-                                      batch["segment_ids"])
-
     def loss(self, params: dict, batch: Batch) -> jax.Array:
         """Mean cross entropy (nats, fp32 scalar) of int32 [B,T] `batch["targets"]` given
         `inputs`, `positions`, `segment_ids`."""
-        logits = self.logits(params, batch)
+        logits = batch_logits(self.model_cfg, params, batch, self.mesh)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
     def _train_step(self, state: dict, batch: Batch):
@@ -132,8 +113,3 @@ class Trainer:
         # overflow them (a huge learning rate), and the loop saves nothing non-finite.
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
                            "param_norm": optax.tree.norm(new_params)}
-
-    def _eval_step(self, params: dict, batch: Batch):
-        logits = self.logits(params, batch)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        return jnp.sum(ce * batch["weights"]), jnp.sum(batch["weights"])

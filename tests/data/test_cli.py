@@ -1,5 +1,7 @@
-"""`cem-data fetch|tokenize|inspect` on the real corpus and on a user corpus."""
+"""`cem-data fetch|tokenize|inspect` on the real corpus and on a user corpus; the data section
+from `--config` with `data.key=value` overrides."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from cem_jax.data import HELD_OUT_WORKS, load_tokenizer
 from cem_jax.data.cli import main
@@ -33,6 +36,20 @@ def test_inspect_shows_counts_held_out_works_and_a_decoded_batch(archive_cache, 
     assert out.count("=== row ") == 3 and "--- segment 1: " in out
 
 
+def test_data_section_of_a_config_with_overrides_then_options(small_cfg, tmp_path, capsys):
+    data = dataclasses.asdict(small_cfg(seq_len=512, batch_size=3))
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({"model": {"d_model": 8}, "data": data}))
+    (tmp_path / "run.yaml").write_text("base: base.yaml\ndata: {seq_len: 16}\n")
+    args = ["inspect", "--config", str(tmp_path / "run.yaml"), "data.seq_len=24",
+            "data.batch_size=2", "--batch-size", "5", "--rows", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "inputs int32[5, 24]" in out and data["val_corpus"] in out
+    assert main(["inspect", "--config", str(tmp_path / "run.yaml"), "model.d_model=4"]) == 1
+    assert capsys.readouterr().err == ("cem-data inspect: error: override 'model.d_model=4' is "
+                                       "not in section 'data', the only one read here\n")
+
+
 def test_tokenize_a_user_corpus_and_save_the_tokenizer(tmp_path, capsys):
     words = "to be or not that is the question whether tis nobler in mind suffer".split()
     rng = np.random.default_rng(0)
@@ -47,6 +64,7 @@ def test_tokenize_a_user_corpus_and_save_the_tokenizer(tmp_path, capsys):
     assert load_tokenizer(out_model, expected_vocab_size=320).vocab_size == 320
     train = next(line for line in out.splitlines() if line.startswith("train ")).split()
     assert train[1:3] == ["40", f"{sum(map(len, texts)):,}"] and "jsonl" in train
+    assert out.count("(1 file)") == 1 and "files)" not in out  # one corpus file, said once
     assert "validation (none: " in out and "milton" not in out
 
 
@@ -58,6 +76,10 @@ def test_bad_input_is_one_line_and_exit_status_1(tmp_path, capsys):
     assert err.startswith("cem-data tokenize: error: ") and "byte offset 3" in err
     assert main(["inspect", "--seq-len", "0"]) == 1
     assert "'seq_len' = 0 is invalid" in capsys.readouterr().err
+    assert main(["inspect", "data.seq_len=1"]) == 1
+    assert "config field 'data.seq_len' = 1 is invalid" in capsys.readouterr().err
+    assert main(["inspect", "data.seq_lenn=1"]) == 1
+    assert "did you mean 'seq_len'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("cache_dir", ["cache", "cache/sub"])

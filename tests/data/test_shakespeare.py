@@ -32,6 +32,15 @@ def test_archive_is_verified_and_holds_42_works(archive_cache):
     assert set(MILTON_WORKS) <= set(milton)
 
 
+def test_the_archive_is_hashed_once_per_process(archive_cache, monkeypatch):
+    hashed = []
+    monkeypatch.setattr(shakespeare, "sha256_file", lambda p: hashed.append(p) or sha256_file(p))
+    monkeypatch.setattr(shakespeare, "_VERIFIED", set())
+    for _ in range(3):
+        assert fetch_archive(archive_cache) == archive_cache / ARCHIVE_NAME
+    assert hashed == [archive_cache / ARCHIVE_NAME]
+
+
 def test_split_by_work_holds_out_about_five_percent(archive_cache):
     cfg = DataConfig(cache_dir=str(archive_cache))
     train = {d.name: d.text for d in resolve_split(cfg, "train").documents()}

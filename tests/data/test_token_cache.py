@@ -7,9 +7,10 @@ import stat
 import numpy as np
 import pytest
 
-from cem_jax.data import load_tokenizer, load_tokens, train_tokenizer
-from cem_jax.data.cache import HEADER_BYTES, CacheError, atomic_file, read_tokens
+from cem_jax.data import load_tokenizer, load_tokens, pipeline, train_tokenizer
+from cem_jax.data.cache import HEADER_BYTES, CacheError, read_tokens
 from cem_jax.export.output import staged_dir
+from cem_jax.fileio import atomic_file
 
 
 def expected_stream(tokenizer, texts):
@@ -41,6 +42,20 @@ def test_second_load_reads_the_cache(small_cfg, monkeypatch):
     np.testing.assert_array_equal(second.tokens, first.tokens)
 
 
+def test_a_token_file_is_read_and_verified_once_per_process(small_cfg, monkeypatch):
+    """Training evaluates every `run.eval_every` steps: the split's file is hashed once."""
+    cfg = small_cfg()
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    first = load_tokens(cfg, tokenizer, "validation")
+    reads = []
+    monkeypatch.setattr(pipeline, "read_tokens", lambda *a: reads.append(a) or read_tokens(*a))
+    assert load_tokens(cfg, tokenizer, "validation") is first and reads == []
+    os.utime(first.path, ns=(0, 0))  # a file changed on disk is read and verified again
+    again = load_tokens(cfg, tokenizer, "validation")
+    assert len(reads) == 1 and again is not first
+    np.testing.assert_array_equal(again.tokens, first.tokens)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip_byte", "empty"])
 def test_damaged_cache_is_detected_and_rebuilt(small_cfg, damage):
     cfg = small_cfg()
@@ -58,6 +73,7 @@ def test_damaged_cache_is_detected_and_rebuilt(small_cfg, damage):
             f.truncate(0)
     with pytest.raises(CacheError):
         read_tokens(good.path, key="any")
+    pipeline._LOADED.clear()  # a file verified in this process is trusted: this is a new one
     with pytest.warns(UserWarning, match="token cache unusable, rebuilding it"):
         rebuilt = load_tokens(cfg, tokenizer, "train")
     np.testing.assert_array_equal(rebuilt.tokens, reference)

@@ -12,14 +12,16 @@ from helpers import random_params
 
 from cem_jax.config import ModelConfig
 from cem_jax.export.hf import export_hf
-from cem_jax.rundir import model_from_params
+from cem_jax.model import model_from_params
 from cem_jax.sample import SamplingConfig, generate
 
 TINY = dict(vocab_size=400, d_model=16, num_layers=2, num_heads=2, mlp_dim=32)
 IDS = np.array([[3, 17, 250, 399, 4, 61, 8, 120, 77, 5, 260, 300]])
 VARIANTS = {  # each feature once; the default run covers all of them in three models
-    "tied-rope-gqa-dplr-steps2": dict(num_heads=4, num_kv_heads=2, interaction="dplr",
-                                      preconditioner="dplr", steps=2),
+    "tied-llama3rope-gqa-dplr-steps2": dict(num_heads=4, num_kv_heads=2, interaction="dplr",
+                                            preconditioner="dplr", steps=2, rope_type="llama3",
+                                            rope_factor=8.0, rope_original_max_position=16,
+                                            rope_theta=100.0),
     "nope-shared-dplr-diag-recompute-residual": dict(
         position="none", interaction="dplr", diagonal="shared", preconditioner="diag",
         steps=2, recompute_context=True, gradient_wrt="residual", tie_embeddings=False),
@@ -27,6 +29,7 @@ VARIANTS = {  # each feature once; the default run covers all of them in three m
 }
 SLOW_VARIANTS = {
     "tied": dict(), "nope": dict(position="none"), "gqa": dict(num_heads=4, num_kv_heads=1),
+    "linear-rope": dict(rope_type="linear", rope_factor=4.0),
     "dplr": dict(interaction="dplr"), "precond-none": dict(preconditioner="none"),
     "precond-diag": dict(preconditioner="diag"), "precond-dplr": dict(preconditioner="dplr"),
     "steps2": dict(steps=2), "gelu": dict(activation="gelu"),
@@ -62,7 +65,7 @@ def test_left_padded_batch_generation_matches_single_rows(tmp_path, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = ModelConfig(**{**TINY, **VARIANTS["tied-rope-gqa-dplr-steps2"]})
+    cfg = ModelConfig(**{**TINY, **VARIANTS["tied-llama3rope-gqa-dplr-steps2"]})
     params = random_params(cfg, seed=3)
     model = AutoModelForCausalLM.from_pretrained(
         export_hf(params, cfg, tokenizer.model_proto, tmp_path / "hf"), trust_remote_code=True)

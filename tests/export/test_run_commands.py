@@ -8,6 +8,7 @@ import json
 import math
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -17,7 +18,8 @@ import safetensors.numpy
 from cem_jax import evaluate, sample
 from cem_jax.export import cli
 from cem_jax.export.safetensors_io import load_safetensors
-from cem_jax.rundir import RunDirError, load_run, model_from_params
+from cem_jax.model import model_from_params
+from cem_jax.rundir import RunDirError, load_run
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.train.checkpoint import CheckpointError
 
@@ -77,6 +79,41 @@ def test_cem_eval_of_a_run_without_validation_asks_for_a_text(make_run):
         run.config, data=dataclasses.replace(run.config.data, val_corpus=None))
     with pytest.raises(ValueError, match="without a validation split.*--text FILE"):
         evaluate.evaluate_run(run, progress=False)
+
+
+def test_steps_n_at_test_time_equals_a_model_configured_with_n_steps(make_run, capsys):
+    # A run trained with T = 1, evaluated and sampled at N = 2 (its sub-layers' steps share
+    # their weights), against a run whose config says steps: 2 and holds the same weights.
+    one, _, params = make_run("one", interaction="dplr", preconditioner="dplr", steps=1)
+    two, _, params2 = make_run("two", interaction="dplr", preconditioner="dplr", steps=2)
+    assert all(np.array_equal(a, b) for a, b in zip(*map(jax.tree.leaves, (params, params2)),
+                                                   strict=True))
+    files = {p: p.read_bytes() for p in one.rglob("*") if p.is_file()}
+    at2 = evaluate.evaluate_run(load_run(one), progress=False, steps=2)
+    want = evaluate.evaluate_run(load_run(two), progress=False)
+    assert at2["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-5)
+    assert at2["bits_per_byte"] == pytest.approx(want["bits_per_byte"], rel=1e-5)
+    at1 = evaluate.evaluate_run(load_run(one), progress=False)
+    assert abs(at1["loss"] - want["loss"]) > 1e-3  # the step count matters
+
+    assert evaluate.main(["--run", str(one), "--steps", "2", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "validation at step 2 with 2 CEM steps per sub-layer: " in printed
+    assert f"loss {want['loss']:.4f} nats/token" in printed
+    greedy = ["--temperature", "0", "--max-new-tokens", "8", "--prompt", "The king"]
+    assert sample.main(["--run", str(two), *greedy]) == 0
+    text2 = capsys.readouterr().out
+    assert sample.main(["--run", str(one), "--steps", "2", *greedy]) == 0
+    assert capsys.readouterr().out == text2
+    assert {p: p.read_bytes() for p in one.rglob("*") if p.is_file()} == files  # untouched
+
+
+@pytest.mark.parametrize("main", [evaluate.main, sample.main], ids=["cem-eval", "cem-sample"])
+def test_steps_must_be_a_positive_integer(main, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--run", "unused", "--steps", "0"])
+    assert exit_.value.code == 2
+    assert "argument --steps: '0' is not a positive integer" in capsys.readouterr().err
 
 
 def test_cem_export_every_format(make_run, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,7 @@ from helpers import random_params
 from cem_jax.config import ModelConfig
 from cem_jax.export.output import MARKER, ExportError, file_in, staged_dir
 from cem_jax.export.safetensors_io import export_safetensors, load_safetensors
-from cem_jax.rundir import model_from_params
+from cem_jax.model import model_from_params
 
 CFG = ModelConfig(vocab_size=64, d_model=16, num_layers=2, num_heads=2, mlp_dim=32,
                   interaction="dplr", preconditioner="dplr", preconditioner_rank=3,
@@ -98,3 +99,21 @@ def test_output_directory_is_never_half_written_nor_silently_replaced(tmp_path):
     for name in ("../escape", "sub/file", ".hidden"):
         with pytest.raises(ExportError, match="refusing"):
             file_in(out, name)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf", "hf-llama"])
+def test_every_exported_file_gets_the_umask_mode(tmp_path, tokenizer, fmt):
+    """model.safetensors as readable as the other files (safetensors creates files 0600)."""
+    from cem_jax.export.hf import export_hf
+    from cem_jax.export.hf_llama import export_hf_llama
+
+    cfg = ModelConfig(vocab_size=400, d_model=16, num_layers=1, num_heads=2, mlp_dim=32,
+                      tie_attention=False, tie_mlp=False, preconditioner="none")
+    writer = {"safetensors": export_safetensors, "hf": export_hf, "hf-llama": export_hf_llama}
+    old = os.umask(0o022)
+    try:
+        out = writer[fmt](random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "out")
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes

@@ -7,6 +7,7 @@ the same bf16 inputs (bf16 rounds p and ds before the second matmuls, as FlashAt
 Broader hypothesis sweeps are marked slow (`make test-all`).
 """
 
+import dataclasses
 import re
 
 import jax
@@ -28,8 +29,10 @@ from cem_jax.updates import tied_attention_mixer
 PLATFORM = jax.default_backend()
 # (backend, interpret): both kernels interpreted everywhere, compiled where the chip exists.
 RUNS = [("gpu", True), ("tpu", True)]
+GPU_RUNS = [("gpu", True)]
 if PLATFORM == "gpu":
     RUNS.append(("gpu", False))
+    GPU_RUNS.append(("gpu", False))
 if PLATFORM == "tpu":
     RUNS.append(("tpu", False))
 SMALL_BLOCKS = BlockSizes(block_q=16, block_k=8, block_q_bwd=8, block_k_bwd=16)
@@ -224,26 +227,72 @@ def test_bad_arguments_raise_clear_errors(q_shape, k_shape, kwargs, match):
         tied_attention(jnp.zeros(q_shape), jnp.zeros(k_shape), **kwargs)
 
 
-@pytest.mark.parametrize("block_sizes, fwd, bwd", [
-    (None, (4, 3), (4, 2)),  # the GPU defaults: 3 stages forward, 2 backward
+@pytest.mark.parametrize("backend,interpret", GPU_RUNS,
+                         ids=[f"{b}-{'interpret' if i else 'compiled'}" for b, i in GPU_RUNS])
+def test_gpu_split_backward(backend, interpret):
+    """`fused_bwd=False`: the dq and dk kernels that recompute p (no atomics) stay correct."""
+    q, k, w = inputs(1, 21, 4, 2, 8, seed=6)
+    blocks = SMALL_BLOCKS_COMPILED_GPU if not interpret else SMALL_BLOCKS
+    assert_matches_reference(backend, interpret, q, k, w, tol=1e-5,
+                             segment_ids=segments(1, 21, seed=6),
+                             block_sizes=dataclasses.replace(blocks, fused_bwd=False))
+
+
+def _triton_calls(fn, *args) -> dict[str, tuple[int, int, set[int]]]:
+    """Lower jit(fn) for CUDA (no GPU needed) and read each Triton custom call: kernel name →
+    (num_warps, num_stages, the set of tt.dot counts of its loop bodies), the dots counted
+    in the Triton IR that Pallas serializes into the call (MLIR bytecode)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton.lowering import _new_ir_context  # a Triton-aware context
+
+    module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir()
+    calls = [op for op in _walk(module.operation) if op.name == "stablehlo.custom_call"]
+    found = {}
+    for call in calls:
+        config = ir.DictAttr(call.attributes["mhlo.backend_config"])
+        if "ir" not in config:
+            pytest.skip("this JAX compiles Triton while lowering; the Triton IR is not readable")
+        with _new_ir_context():
+            kernel = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)
+        dots = {sum(op.name == "tt.dot" for op in _walk(loop))
+                for loop in _walk(kernel.operation) if loop.name == "scf.for"}
+        name = re.fullmatch(r"cem_tied_attention_(\w+)_gpu", ir.StringAttr(config["name"]).value)
+        assert name and name[1] not in found
+        found[name[1]] = (ir.IntegerAttr(config["num_warps"]).value,
+                          ir.IntegerAttr(config["num_stages"]).value, dots)
+    return found
+
+
+def _walk(op):
+    """Every operation nested in op (depth first)."""
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                yield child.operation
+                yield from _walk(child.operation)
+
+
+@pytest.mark.parametrize("block_sizes, expected", [
+    # the GPU defaults: 3 stages forward, 2 backward; one fused backward kernel, 5 tile
+    # matmuls per (query tile, key tile) pair: s = q kᵀ, dp = do kᵀ, ds k, dsᵀ q, pᵀ do
+    (None, {"fwd": (4, 3, {2}), "bwd": (4, 2, {5})}),
     (BlockSizes(64, 64, 32, 32, num_warps=8, num_stages=4, num_warps_bwd=2, num_stages_bwd=1),
-     (8, 4), (2, 1)),
+     {"fwd": (8, 4, {2}), "bwd": (2, 1, {5})}),
+    # split: the dq (3) and dk (4) kernels both recompute s and dp: 7 per pair
+    (BlockSizes(64, 64, 64, 64, fused_bwd=False),
+     {"fwd": (4, 2, {2}), "dq": (4, 2, {3}), "dk": (4, 2, {4})}),
 ])
-def test_gpu_kernels_are_launched_with_their_own_warps_and_stages(block_sizes, fwd, bwd):
-    """Lowered for CUDA (no GPU needed): the forward and the two backward Triton calls carry
-    their own (num_warps, num_stages)."""
+def test_gpu_kernels_are_launched_with_their_own_warps_and_stages(block_sizes, expected):
+    """Lowered for CUDA (no GPU needed): the Triton kernels launched for forward + backward,
+    each with its own (num_warps, num_stages), and the tile matmuls (tt.dot) in each loop
+    body: 2 in the forward, 5 in the fused backward (7 across the split dq and dk kernels)."""
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
 
     def loss(q, k):
         o = tied_attention(q, k, backend="gpu", interpret=False, block_sizes=block_sizes)
         return jnp.sum(o.astype(jnp.float32))
 
-    text = jax.jit(jax.grad(loss, (0, 1))).trace(q, q).lower(
-        lowering_platforms=("cuda",)).as_text()
-    found = {name: (int(warps), int(stages)) for name, stages, warps in re.findall(
-        r'name = "cem_tied_attention_(\w+)_gpu", num_stages = (\d+) : i32, '
-        r'num_warps = (\d+) : i32', text)}
-    assert found == {"fwd": fwd, "dq": bwd, "dk": bwd}
+    assert _triton_calls(jax.grad(loss, (0, 1)), q, q) == expected
 
 
 def test_bad_dtypes_raise_clear_errors():
@@ -253,6 +302,8 @@ def test_bad_dtypes_raise_clear_errors():
         tied_attention(jnp.zeros((1, 8, 2, 8)), jnp.zeros((1, 8, 2, 8), jnp.bfloat16))
     with pytest.raises(ValueError, match="multiple of 8"):
         BlockSizes(block_q=12)
+    with pytest.raises(ValueError, match="fused_bwd = 1: must be a bool"):
+        BlockSizes(fused_bwd=1)
 
 
 @pytest.mark.parametrize("diag,use_rope,G", [
@@ -274,7 +325,7 @@ def test_pallas_update_equals_autodiff_energy_gradient(diag, use_rope, G):
     pos = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0, 1], list(range(T))])
     spec = AttentionSpec(H, G, K, use_rope, block_size=4)
     mixer = tied_attention_mixer(params, spec, pos, seg, impl="pallas")
-    got = jax.jit(lambda y, c: mixer.direction(y, mixer.prepare(c)))(y, c)
+    got = jax.jit(lambda y, c: mixer.direction(y, mixer.prepare(c, 0)))(y, c)
     want = -jax.grad(lambda y_: mixer.energy(y_, c).sum())(y)
     assert_close_to_scale(got, want, 1e-5)
 

@@ -1,6 +1,9 @@
-"""Cached decoding (`cem_jax.sample`) against full recomputation with `CEMTransformer`."""
+"""Cached decoding (`cem_jax.sample`, the model's forward with `cem_jax.kvcache`) against full
+recomputation with `CEMTransformer`."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +11,9 @@ import pytest
 from decode_helpers import BASELINE, tiny_config
 from helpers import random_params
 
-from cem_jax.rundir import model_from_params
-from cem_jax.sample import SamplingConfig, cache_bytes, generate, init_cache
+from cem_jax.kvcache import cache_bytes, init_cache
+from cem_jax.model import model_from_params
+from cem_jax.sample import SamplingConfig, generate
 
 PROMPTS = [[3, 5, 7], [3, 9, 1, 2, 4, 6, 8, 10], [3, 11, 12, 13, 14]]  # different lengths
 
@@ -49,13 +53,13 @@ def test_cached_logits_equal_full_recomputation(name):
 def test_key_only_cache_is_half_the_baseline_key_value_cache():
     tied = init_cache(tiny_config(num_heads=4, num_kv_heads=2), 3, 40)
     baseline = init_cache(tiny_config(**BASELINE, num_heads=4, num_kv_heads=2), 3, 40)
-    assert set(tied) == {"key"} and set(baseline) == {"key", "value"}
-    assert tied["key"].shape == baseline["key"].shape == (2, 1, 3, 2, 40, 4)  # [L,C,B,G,S,K]
+    assert tied.layers.value is None and tied.layers.context is None
+    assert tied.layers.key.shape == baseline.layers.value.shape == (2, 1, 3, 2, 40, 4)
     assert cache_bytes(tied) * 2 == cache_bytes(baseline) == 2 * 2 * 3 * 2 * 40 * 4 * 4
     dplr = init_cache(tiny_config(interaction="dplr"), 3, 40)  # keys + the context c [B,S,D]
     assert cache_bytes(dplr) == cache_bytes(init_cache(tiny_config(), 3, 40)) + 2 * 3 * 40 * 16 * 4
     per_step = init_cache(tiny_config(steps=2, recompute_context=True), 3, 40)
-    assert per_step["key"].shape[1] == 2  # one context per step
+    assert per_step.layers.key.shape[1] == 2  # one context per step
 
 
 def test_sampling_options_and_eos():
@@ -74,16 +78,20 @@ def test_sampling_options_and_eos():
     again = generate(params, cfg, PROMPTS, SamplingConfig(max_new_tokens=5, temperature=1.0,
                                                           top_k=3, seed=7), keep_logits=True)
     assert np.array_equal(again.tokens, sampled.tokens)
-    eos = int(greedy.tokens[0, 1])
+    # an EOS the greedy text produces, after its first token and in no prompt
+    eos = next(int(t) for t in greedy.tokens[:, 1:].ravel() if all(t not in p for p in PROMPTS))
+    through = generate(params, cfg, PROMPTS, SamplingConfig(max_new_tokens=5, temperature=0.0,
+                                                            eos_id=eos, stop_at_eos=False))
     stopped = generate(params, cfg, PROMPTS, SamplingConfig(max_new_tokens=5, temperature=0.0,
                                                             eos_id=eos, pad_id=0),
                        keep_logits=True)
-    first = (greedy.tokens == eos).argmax(-1)
-    hit = (greedy.tokens == eos).any(-1)
+    assert (through.tokens == eos).any() and (through.lengths == 5).all()
+    first = (through.tokens == eos).argmax(-1)
+    hit = (through.tokens == eos).any(-1)
     for b in range(3):
         n = first[b] + 1 if hit[b] else 5
         assert stopped.lengths[b] == n
-        assert np.array_equal(stopped.tokens[b, :n], greedy.tokens[b, :n])
+        assert np.array_equal(stopped.tokens[b, :n], through.tokens[b, :n])
         assert (stopped.tokens[b, n:] == 0).all()
 
 
@@ -96,3 +104,29 @@ def test_bad_prompts_and_options_raise():
         generate(params, cfg, [[3, 64]], SamplingConfig(max_new_tokens=2))
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(top_p=0.0)
+
+
+EOS_VARIANTS = {"tied": dict(), "dplr": dict(interaction="dplr"),
+                "steps2": dict(steps=2, recompute_context=True), "baseline": BASELINE}
+
+
+@pytest.mark.parametrize("name", list(EOS_VARIANTS))
+def test_an_eos_starts_a_new_document(name):
+    """As in training (positions restart, attention stays in the document): the token after
+    `… [EOS]` is predicted exactly as after a fresh `[EOS]`, whether the EOS is in the prompt
+    or was generated."""
+    cfg = tiny_config(**EOS_VARIANTS[name])
+    params = random_params(cfg, seed=2)
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    free = generate(params, cfg, [[3, 9, 1, 2]], greedy)
+    eos = next(int(t) for t in free.tokens[0, 1:4] if t not in (3, 9, 1, 2))
+    k = list(free.tokens[0]).index(eos)
+    docs = dataclasses.replace(greedy, eos_id=eos, stop_at_eos=False)
+    fresh = generate(params, cfg, [[eos]], docs, keep_logits=True).logits[0, 0]
+    in_prompt = generate(params, cfg, [[eos, 3, 9, 1, 2, eos]], docs, keep_logits=True)
+    np.testing.assert_allclose(in_prompt.logits[0, 0], fresh, atol=1e-5, rtol=0)
+    generated = generate(params, cfg, [[3, 9, 1, 2]], docs, keep_logits=True)
+    assert np.array_equal(generated.tokens[0, :k + 1], free.tokens[0, :k + 1])
+    np.testing.assert_allclose(generated.logits[0, k + 1], fresh, atol=1e-5, rtol=0)
+    without = generate(params, cfg, [[3, 9, 1, 2]], greedy, keep_logits=True)
+    assert np.abs(without.logits[0, k + 1] - fresh).max() > 1e-2  # the old context mattered

@@ -53,8 +53,8 @@ def test_config_loads_and_its_stated_count_is_the_models(path):
     counts = abstract_count(cfg.model)
     assert cfg.expected_params == counts["total"]
     assert check_expected_params(cfg) == counts
-    # the header's figures are the config's own
-    header = path.read_text()
+    # the header's figures are the config's own (the budget is stated once, in the base's)
+    header = path.read_text() + FULL.read_text()
     stated_m = float(re.search(r"# Parameters: ([\d.]+)M = ", header).group(1))
     assert stated_m == round(counts["total"] / 1e6, 2)
     steps, rows, tokens = (int(x.replace(",", "")) for x in re.search(
@@ -193,7 +193,7 @@ def test_fsdp_keeps_activations_split_over_the_batch(tmp_path):
     """Parameters sharded over "fsdp" (mesh.fsdp=8, 8 host devices), a small model: the
     compiled step's temporaries stay far below the fp32 logits of the whole global batch, which
     is what every device computed when the activations followed the D-sharded tied head instead
-    of the batch (`cem_jax.layers.constrain`; without it temp is ~0.27 GiB here)."""
+    of the batch (`cem_jax.sharding.constrain`; without it temp is ~0.27 GiB here)."""
     B, N, V = 64, 128, 4096
     result = run_cli(["--config", str(FULL), "--dry-run", "expected_params=null",
                       "model.d_model=64", "model.num_layers=2", "model.num_heads=4",

@@ -1,14 +1,79 @@
-"""Resuming is exact: a run killed (SIGKILL) or preempted (SIGTERM) at step 10 and resumed to
-step 20 logs the same fp32 losses, step for step, as a run of 20 steps straight."""
+"""Resuming: a run killed (SIGKILL) or preempted (SIGTERM) at step 10 and resumed to step 20 logs
+the same fp32 losses, step for step, as a run of 20 steps straight, and TensorBoard shows every
+logged value once; every optimizer setting may change on resume (a real resume with clipping
+and weight decay turned off: tests/train/test_train_loop.py); a checkpoint of another state
+structure is refused by name; a finished run started again reports what it logged and writes
+nothing."""
 
+import dataclasses
+import json
+import struct
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 from train_helpers import run_cli, train_losses
 
+from cem_jax.config import ModelConfig
+from cem_jax.data import load_tokenizer
+from cem_jax.sharding import make_mesh, replicated
+from cem_jax.train import load_config, train
+from cem_jax.train.checkpoint import Checkpointer, CheckpointError
+from cem_jax.train.config import MeshConfig, OptimizerConfig
+from cem_jax.train.metrics import MetricsWriter
+from cem_jax.train.optim import decay_mask, learning_rate, make_optimizer
+from cem_jax.train.run import log_to_stdout
+from cem_jax.train.step import Trainer
+
 STEPS = 20
+# A changed value of every OptimizerConfig field (defaults: lr 3e-3, warmup 100, min ratio 0.1,
+# b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1, clip 1.0, accumulation 1).
+CHANGED = {"lr": 1e-4, "warmup_steps": 0, "min_lr_ratio": 0.0, "b1": 0.0, "b2": 0.999,
+           "eps": 1e-6, "weight_decay": 0.0, "clip_norm": 0.0, "accumulation_steps": 2}
+
+
+def tensorboard_scalars(run_dir) -> dict[tuple[str, int], float]:
+    """{(tag, step): value} as TensorBoard shows the run's event files: files in name order,
+    each `SessionLog.START` event hiding the steps >= its step read before it (TensorBoard's
+    purge for event files of version 2); AssertionError if a (tag, step) is shown twice."""
+    shown = []
+    for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        data, i, events = path.read_bytes(), 0, []
+        while i + 12 <= len(data):  # TFRecord: length u64, crc u32, data, crc u32
+            n = struct.unpack("<Q", data[i:i + 8])[0]
+            if i + 16 + n > len(data):  # torn by a kill: TensorBoard stops there too
+                break
+            events.append(Event.FromString(data[i + 12:i + 12 + n]))
+            i += 16 + n
+        if not events:  # a process killed before its first flush: TensorBoard skips it
+            continue
+        assert events[0].file_version == "brain.Event:2", path  # purges by SessionLog.START
+        for event in events:
+            if event.session_log.status == SessionLog.START:
+                shown = [s for s in shown if s[1] < event.step]
+            shown += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    keys = [(tag, step) for tag, step, _ in shown]
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+    return {(tag, step): value for tag, step, value in shown}
+
+
+def logged_scalars(run_dir) -> dict[tuple[str, int], float]:
+    """metrics.jsonl as {("kind/name", step): value rounded to float32} (TensorBoard's
+    precision); AssertionError if a (kind, step) is logged twice."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = [(r["kind"], r["step"]) for r in records]
+    assert len(kinds) == len(set(kinds)), kinds
+    return {(f"{r['kind']}/{k}", r["step"]): float(np.float32(v))
+            for r in records for k, v in r.items() if k not in ("step", "kind", "time")}
 
 
 @pytest.fixture(scope="module")
-def straight(tiny_overrides, tmp_path_factory) -> dict[int, float]:
+def straight(tiny_overrides, tmp_path_factory):
+    """The run directory of 20 steps straight."""
     run_dir = tmp_path_factory.mktemp("straight")
     result = run_cli([*tiny_overrides, f"run.dir={run_dir}", f"run.steps={STEPS}",
                       "run.checkpoint_every=4"])
@@ -16,7 +81,7 @@ def straight(tiny_overrides, tmp_path_factory) -> dict[int, float]:
     losses = train_losses(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1] - 0.5  # it learns
-    return losses
+    return run_dir
 
 
 @pytest.mark.parametrize("sig,returncode", [("SIGKILL", -9), ("SIGTERM", 0)])
@@ -28,10 +93,99 @@ def test_resume_after_signal_is_exact(straight, tiny_overrides, tmp_path, sig, r
     if sig == "SIGTERM":  # a clean stop saves the step it stopped at
         assert "stopped by a signal at step 10" in first.stdout + first.stderr
         assert (tmp_path / "checkpoints" / "10").is_dir()
-    assert max(train_losses(tmp_path)) == 10
+    # metrics are read a step late: a hard kill right after dispatching step 10 loses its
+    # record (the resumed run logs it); a clean stop finishes the step first
+    assert max(train_losses(tmp_path)) == (10 if sig == "SIGTERM" else 9)
     second = run_cli(common)
     assert second.returncode == 0, second.stderr
     output = second.stdout + second.stderr
     resumed_from = int(output.split("from step ")[1].split()[0])
     assert resumed_from == 10 if sig == "SIGTERM" else 4 <= resumed_from <= 10
-    assert train_losses(tmp_path) == straight  # every step, bit for bit
+    assert train_losses(tmp_path) == train_losses(straight)  # every step, bit for bit
+    # The killed process's records up to its checkpoint were flushed with it: TensorBoard shows
+    # every step once, with the values of metrics.jsonl.
+    shown = tensorboard_scalars(tmp_path)
+    assert shown == logged_scalars(tmp_path)
+    assert sorted(step for tag, step in shown if tag == "train/loss") == \
+        list(range(1, STEPS + 1))
+
+
+def test_a_new_or_resumed_writer_leaves_each_step_logged_once(tmp_path):
+    first = MetricsWriter(tmp_path)  # a new run, killed at step 5 after a checkpoint at 3
+    for step in range(1, 6):
+        first.write(step, "train", {"loss": 1.0 / step})
+    first.close()
+    again = MetricsWriter(tmp_path, resume_step=3)
+    for step in (4, 5, 6):
+        again.write(step, "train", {"loss": 2.0 / step})
+    again.close()
+    expected = {("train/loss", s): float(np.float32((1.0 if s <= 3 else 2.0) / s))
+                for s in range(1, 7)}
+    assert tensorboard_scalars(tmp_path) == logged_scalars(tmp_path) == expected
+    fresh = MetricsWriter(tmp_path)  # killed before its first checkpoint: it starts over
+    fresh.write(1, "train", {"loss": 3.0})
+    fresh.close()
+    assert tensorboard_scalars(tmp_path) == logged_scalars(tmp_path) == {("train/loss", 1): 3.0}
+    MetricsWriter(tmp_path, resume_step=1).close()  # nothing logged: no new event file
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 3
+
+
+def _restored_as(opt: OptimizerConfig, total_steps: int = 10):
+    """The structure, shapes and dtypes of the train state a run restores its checkpoint as."""
+    model = ModelConfig(vocab_size=64, d_model=16, num_layers=1, num_heads=2, mlp_dim=32)
+    abstract = Trainer(model, opt, total_steps, make_mesh(MeshConfig())).abstract_state()
+    return jax.tree.structure(abstract), [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
+
+
+def test_every_optimizer_field_has_a_changed_value_below():
+    assert set(CHANGED) == {f.name for f in dataclasses.fields(OptimizerConfig)}
+
+
+@pytest.mark.parametrize("field", sorted(CHANGED))
+def test_changing_an_optimizer_field_keeps_the_state_structure(field):
+    assert getattr(OptimizerConfig(), field) != CHANGED[field]
+    changed = dataclasses.replace(OptimizerConfig(), **{field: CHANGED[field]})
+    assert _restored_as(changed, total_steps=30) == _restored_as(OptimizerConfig())
+
+
+def test_a_checkpoint_of_another_structure_is_refused_by_name(tiny_overrides, tmp_path):
+    # Before the optimizer was always one chain, clip_norm=0 saved AdamW's state alone.
+    tokenizer_path = next(o.split("=", 1)[1] for o in tiny_overrides
+                          if o.startswith("data.tokenizer="))
+    params = {"embed": jnp.ones((4, 2))}
+    adamw = optax.adamw(learning_rate(OptimizerConfig(), 10), mask=decay_mask)
+    saved = {"params": params, "opt_state": adamw.init(params), "step": jnp.int32(2)}
+    iterator = iter(grain.MapDataset.range(4).to_iter_dataset())
+    checkpointer = Checkpointer(tmp_path, keep=1)
+    checkpointer.save(2, saved, iterator, {}, load_tokenizer(tokenizer_path))
+    checkpointer.wait()
+    built = {**saved, "opt_state": make_optimizer(OptimizerConfig(clip_norm=0), 10).init(params)}
+    sharding = replicated(make_mesh(MeshConfig()))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                            built)
+    with pytest.raises(CheckpointError) as err:
+        checkpointer.restore(2, abstract, iterator)
+    checkpointer.close()
+    message = str(err.value)
+    assert "8 arrays differ, first opt_state.0.count: saved ((), 'int32'), built none" in message
+    assert "delete" not in message and str(tmp_path / "checkpoints" / "2") in message
+
+
+def test_a_finished_run_started_again_reports_its_result_and_writes_nothing(
+        straight, tiny_overrides, capsys):
+    def files():
+        return {p: p.read_bytes() for p in straight.rglob("*") if p.is_file() and
+                p.name != ".lock"}
+
+    before = files()
+    last = json.loads((straight / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["kind"] == "eval" and last["step"] == STEPS
+    log_to_stdout()  # what cem-train prints
+    summary = train(load_config(None, [*tiny_overrides, f"run.dir={straight}",
+                                       f"run.steps={STEPS}", "run.checkpoint_every=4"]))
+    out = capsys.readouterr().out
+    assert summary["step"] == STEPS and not summary["stopped_early"]
+    assert summary["eval"] == {k: last[k] for k in ("loss", "perplexity", "bits_per_byte_est")}
+    assert f"validation after {STEPS} steps: loss {last['loss']:.4f} nats/token" in out
+    assert summary["sample"] and "sample:" in out
+    assert files() == before  # no metrics row, event file, checkpoint or anything else

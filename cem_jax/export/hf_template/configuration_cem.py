@@ -17,7 +17,9 @@ class CEMConfig(PretrainedConfig):
                  tie_attention=True, tie_mlp=True, interaction="lowrank", diagonal="per_head",
                  preconditioner="scalar", preconditioner_rank=4, steps=1,
                  recompute_context=False, gradient_wrt="normalized", position="rope",
-                 rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True, **kwargs):
+                 rope_theta=10000.0, rope_type="default", rope_factor=1.0,
+                 rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                 rope_original_max_position=8192, norm_eps=1e-5, tie_embeddings=True, **kwargs):
         self.vocab_size = vocab_size
         self.d_model = d_model
         self.num_layers = num_layers
@@ -37,6 +39,11 @@ class CEMConfig(PretrainedConfig):
         self.gradient_wrt = gradient_wrt
         self.position = position
         self.rope_theta = rope_theta
+        self.rope_type = rope_type  # "default", "linear" or "llama3" (modeling_cem.frequencies)
+        self.rope_factor = rope_factor
+        self.rope_low_freq_factor = rope_low_freq_factor
+        self.rope_high_freq_factor = rope_high_freq_factor
+        self.rope_original_max_position = rope_original_max_position
         self.norm_eps = norm_eps
         self.tie_embeddings = tie_embeddings
         # Names the rest of transformers looks for; embeddings are shared by our own code, not

@@ -13,8 +13,10 @@ the negative energy gradient in closed form, written here with full [T,S] score 
 
 P = I, softplus(ρ)·I, diag(softplus(ρ)) or diag(softplus(ρ)) + U Uᵀ. With gradient_wrt =
 "residual" u is pulled back through RMSNorm (its vector-Jacobian product, by torch.func.vjp).
-RoPE is the half-split (rotate_half) convention. Parameter names and layouts are those of the
-cem_jax safetensors export (query [D,H,K], key [D,G,K], out [H,K,D], gate/up [D,F], ...).
+RoPE is the half-split (rotate_half) convention, its frequencies scaled as config.rope_type
+says (transformers' "linear" and "llama3" types, `frequencies`). Parameter names and layouts are
+those of the cem_jax safetensors export (query [D,H,K], key [D,G,K], out [H,K,D], gate/up
+[D,F], ...).
 There is no key/value cache: generation recomputes the sequence at every step.
 """
 
@@ -36,11 +38,33 @@ def rms_norm(x, scale, eps):
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale.float()).to(x.dtype)
 
 
-def rotate(x, positions, theta, inverse=False):
-    """RoPE of heads-major x [B,N,T,K] at positions [B,T] (R_t, or R_tᵀ when inverse)."""
+def frequencies(config, device=None):
+    """RoPE's angular frequency of each feature pair, fp32 [K/2]: θ^(-2i/K), then scaled:
+    "linear" divides all by rope_factor; "llama3" (Llama 3.1) divides those whose wavelength
+    λ = 2π/ω exceeds N / rope_low_freq_factor (N = rope_original_max_position), keeps those
+    below N / rope_high_freq_factor, and blends in between with weight
+    s = (N/λ - low) / (high - low) on the unscaled frequency."""
+    half = config.head_dim // 2
+    omega = config.rope_theta ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
+    if config.rope_type == "default":
+        return omega
+    scaled = omega / config.rope_factor
+    if config.rope_type == "linear":
+        return scaled
+    if config.rope_type != "llama3":
+        raise ValueError(f"unknown rope_type {config.rope_type!r}")
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    n = config.rope_original_max_position
+    wavelength = 2 * math.pi / omega
+    s = ((n / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - s) * scaled + s * omega
+
+
+def rotate(x, positions, omega, inverse=False):
+    """RoPE of heads-major x [B,N,T,K] at positions [B,T] with frequencies omega [K/2] (R_t,
+    or R_tᵀ when inverse)."""
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
-    angles = positions.float()[:, None, :, None] * inv_freq
+    angles = positions.float()[:, None, :, None] * omega
     cos, sin = torch.cos(angles), torch.sin(angles)
     if inverse:
         sin = -sin
@@ -87,7 +111,7 @@ class Attention(nn.Module):
         self.H, self.G, self.K = H, G, K
         self.tied = config.tie_attention
         self.rope = config.position == "rope"
-        self.theta = config.rope_theta
+        self.config = config
         self.query = _param(D, H, K, std=0.02)
         self.key = _param(D, G, K, std=0.02)
         if not self.tied:
@@ -97,7 +121,9 @@ class Attention(nn.Module):
             self.diag = _param(*((H, D) if config.diagonal == "per_head" else (D,)))
 
     def _rot(self, x, positions, inverse=False):
-        return rotate(x, positions, self.theta, inverse) if self.rope else x
+        if not self.rope:
+            return x
+        return rotate(x, positions, frequencies(self.config, x.device), inverse)
 
     def prepare(self, c, positions):
         k = self._rot(torch.einsum("btd,dgk->bgtk", c, self.key), positions)

@@ -1,0 +1,171 @@
+"""The hooks of `cem-train`'s loop (`cem_jax.train.loop.TrainLoop`): the progress bar and the
+speed meter, metric records, validation, checkpoints, and stopping on a signal or a preemption.
+
+Each is a callable `hook(info)` registered with `TrainLoop.add_hook`; `cem_jax.train.run` wires
+them up in this order: metrics hooks `Progress` (every step) and `LogMetrics` (`run.log_every`);
+state hooks `DebugSignal`, `StopOnSignal` (every step), `Validate` (`run.eval_every`) and
+`SaveCheckpoint` (`run.checkpoint_every` and the last step).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from tqdm import tqdm
+
+from cem_jax.evaluate import describe
+from cem_jax.train.loop import StepInfo
+from cem_jax.train.metrics import MetricsWriter
+
+logger = logging.getLogger(__name__)
+
+
+class Progress:
+    """Every step (a metrics hook): the tqdm bar (on process 0, when `show` and stderr is a
+    terminal: a redirected log gets no carriage-return lines) and the speed meter behind the
+    logged tokens/s. The first step's time (mostly compilation) is left out, and so is the
+    time of state hooks (`StepInfo.train_clock`)."""
+
+    def __init__(self, first_step: int, last_step: int, tokens_per_step: int, show: bool):
+        self.tokens_per_step = tokens_per_step
+        self.bar = tqdm(total=last_step, initial=first_step, unit="step", dynamic_ncols=True,
+                        mininterval=1.0, disable=not (show and jax.process_index() == 0
+                                                      and sys.stderr.isatty()))
+        self.start: float | None = None
+        self.steps = 0
+
+    def __call__(self, info: StepInfo) -> None:
+        if self.start is None:
+            self.start = info.train_clock()
+        else:
+            self.steps += 1
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{info.host_metrics()['loss']:.3f}",
+                             tok_s=f"{self.tokens_per_s(info):,.0f}", refresh=False)
+
+    def tokens_per_s(self, info: StepInfo) -> float:
+        """Training tokens per second since the last `reset` (nan before a timed step)."""
+        if not self.steps:
+            return math.nan
+        return self.steps * self.tokens_per_step / (info.train_clock() - self.start)
+
+    def reset(self, info: StepInfo) -> None:
+        """Start a new speed window at this step."""
+        self.start, self.steps = info.train_clock(), 0
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class LogMetrics:
+    """A "train" record of the step's metrics (a metrics hook): loss, grad_norm, param_norm,
+    the learning rate it used, and tokens/s and MFU over the steps since the previous record."""
+
+    def __init__(self, writer: MetricsWriter, progress: Progress, lr: optax.Schedule,
+                 flops_per_token: float, peak_flops: float):
+        self.writer, self.progress, self.lr = writer, progress, lr
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+
+    def __call__(self, info: StepInfo) -> None:
+        tokens_per_s = self.progress.tokens_per_s(info)
+        speed = {} if math.isnan(tokens_per_s) else {
+            "tokens_per_s": tokens_per_s, "mfu": self.flops_per_token * tokens_per_s /
+            self.peak_flops}
+        self.writer.write(info.step, "train", {**info.host_metrics(),
+                                               "lr": float(self.lr(info.step - 1)), **speed})
+        self.progress.reset(info)
+
+
+class Validate:
+    """Validation of the step's parameters (a state hook), logged as an "eval" record; none at
+    the last step (the run evaluates after its loop)."""
+
+    def __init__(self, validate: Callable[[dict], dict[str, float]], writer: MetricsWriter):
+        self.validate, self.writer = validate, writer
+
+    def __call__(self, info: StepInfo) -> None:
+        if info.last:
+            return
+        result = self.validate(info.state["params"])
+        self.writer.write(info.step, "eval", result)
+        logger.info("step %d: validation %s", info.step, describe(result))
+
+
+class SaveCheckpoint:
+    """A checkpoint of the step (a state hook; orbax saves it in the background). Only a finite
+    state is saved, with every step it covers in the logs: `StepInfo.finish` first checks the
+    step's metrics (and runs its metrics hooks), then the logs are flushed to the operating
+    system, then the save starts."""
+
+    def __init__(self, save: Callable[[int, dict], None], writer: MetricsWriter):
+        self.save, self.writer = save, writer
+
+    def __call__(self, info: StepInfo) -> None:
+        info.finish()
+        self.writer.flush()
+        self.save(info.step, info.state)
+
+
+class DebugSignal:
+    """Tests of preemption and hard kills: the process sends itself `name` ("SIGTERM",
+    "SIGINT", "SIGKILL") right after step `step` is dispatched (a state hook)."""
+
+    def __init__(self, step: int, name: str):
+        self.step, self.signum = step, getattr(signal, name)
+
+    def __call__(self, info: StepInfo) -> None:
+        if info.step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+class StopOnSignal:
+    """Stop the run after a step, every process at the same one, on SIGINT or SIGTERM (a state
+    hook, every step; a second SIGINT leaves at once, without a final checkpoint).
+
+    One process: both signals set a flag, read at every step. Several (`jax.distributed`):
+    SIGTERM, the preemption notice of TPU pods and SLURM, is JAX's preemption service's
+    (`multihost_utils.reached_preemption_sync_point`: no collective per step; every host stops
+    at the sync step it agrees on), when that service is enabled; SIGINT (and SIGTERM without
+    the service) sets a flag that the processes agree on every `agree_every` steps (one small
+    all-gather then).
+    """
+
+    def __init__(self, agree_every: int):
+        self.agree_every = agree_every
+        self.raised = False
+        self.multihost = jax.process_count() > 1
+        self.preemption_service = self.multihost and jax.config.jax_enable_preemption_service
+        caught = [signal.SIGINT] + ([] if self.preemption_service else [signal.SIGTERM])
+        self.previous = {s: signal.signal(s, self._handle) for s in caught}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.raised and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.raised = True
+
+    def __call__(self, info: StepInfo) -> None:
+        if self._stop(info.step):
+            info.request_stop()
+
+    def _stop(self, step: int) -> bool:
+        if not self.multihost:
+            return self.raised
+        if self.preemption_service and multihost_utils.reached_preemption_sync_point(step):
+            return True
+        return step % self.agree_every == 0 and bool(
+            np.any(multihost_utils.process_allgather(np.int32(self.raised))))
+
+    def restore(self) -> None:
+        """Put back the signal handlers found at construction."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

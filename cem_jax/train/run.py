@@ -1,0 +1,347 @@
+"""`cem-train`: train a CEM (or Llama) language model on a device mesh, resumably.
+
+    cem-train --config configs/shakespeare_cem.yaml run.steps=200 optimizer.lr=3e-3
+    python -m cem_jax.train --config configs/shakespeare_llama.yaml run.dir=runs/llama
+    cem-train --config configs/cem_full_100m.yaml --dry-run   # compile only: memory, FLOPs
+    cem-train --config configs/cem_full_100m.yaml --dry-run --target tpu-v5p-32   # lower only
+
+A run directory holds config.yaml (resolved), tokenizer.model, metrics.jsonl, tensorboard/ and
+checkpoints/. Starting in one that has a checkpoint resumes from the latest (same model and data
+sections required); in a finished one, it reports the validation the run logged and trains,
+evaluates and logs nothing. SIGTERM or SIGINT saves a checkpoint and exits (status 0); a
+non-finite loss, gradient or updated parameter stops the run (status 1) without saving, so the
+newest checkpoint stays good. One cem-train at a time holds a run directory (a lock file,
+`.lock`). At the end: validation loss, perplexity and bits per byte, and a generated sample.
+
+The steps run in `cem_jax.train.loop.TrainLoop` with the hooks of `cem_jax.train.hooks`.
+Messages go through `logging` (the "cem_jax" loggers; `cem-train` prints them on stdout, from
+process 0 only, warnings from every process, prefixed with the process index in multi-host
+runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from cem_jax.data import (
+    Tokenizer,
+    build_tokenizer,
+    load_tokenizer,
+    load_tokens,
+    make_train_iterator,
+)
+from cem_jax.data.config import NOT_IN_TOKEN_STREAM
+from cem_jax.data.shakespeare import FetchError
+from cem_jax.evaluate import describe, evaluate
+from cem_jax.sample import SamplingConfig, generate
+from cem_jax.sharding import global_batch, make_mesh, replicated
+from cem_jax.train import hooks
+from cem_jax.train.checkpoint import Checkpointer, CheckpointError
+from cem_jax.train.config import TrainConfig, load_config, save_config
+from cem_jax.train.dry_run import check_batch_split, check_expected_params, dry_run
+from cem_jax.train.loop import TrainingDiverged, TrainLoop
+from cem_jax.train.metrics import MetricsWriter, flops_per_token, logged_values, peak_flops
+from cem_jax.train.optim import learning_rate
+from cem_jax.train.step import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+class RunDirInUse(RuntimeError):
+    """Another cem-train holds the run directory."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `cem-train`; returns the exit status (0 done or stopped by a signal after saving,
+    1 diverged or failed, 2 bad configuration)."""
+    parser = argparse.ArgumentParser(prog="cem-train", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML config file (default: all defaults)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override config fields, e.g. run.steps=20 optimizer.lr=3e-3")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="compile one train step on abstract inputs and print parameters, "
+                             "mesh, batch, per-device memory and FLOPs; reads no data and "
+                             "writes nothing")
+    parser.add_argument("--target", metavar="NAME",
+                        help="with --dry-run: lower (not compile) the train step for a TPU or "
+                             "GPU topology this host lacks, e.g. tpu-v5p-32, tpu-v6e-16, "
+                             "gpu-h200-8 (cem_jax.train.dry_run.TARGETS), and print per-device "
+                             "state bytes, shardings and kernels")
+    args = parser.parse_args(argv)
+    if args.target is not None and not args.dry_run:
+        parser.error("--target needs --dry-run (it lowers for the target, it does not train)")
+    log_to_stdout()
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"cem-train: configuration error: {err}", file=sys.stderr)
+        return 2
+    try:
+        if args.dry_run:
+            dry_run(cfg, target=args.target)
+        else:
+            train(cfg)
+    except (TrainingDiverged, RunDirInUse, CheckpointError, FetchError, OSError,
+            ValueError) as err:
+        print(f"cem-train: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "stopped_early",
+    "eval": `cem_jax.evaluate.evaluate`'s figures (empty without a validation split),
+    "sample"}. Raises TrainingDiverged, CheckpointError, RunDirInUse (another cem-train holds
+    the directory), ValueError (config/run dir mismatch, run.dir a file), FileNotFoundError (a
+    resumed run dir without tokenizer.model), OSError (an unwritable run dir, a full disk);
+    ValueError also when `cfg.expected_params` is not the model's parameter count (checked
+    before anything is written)."""
+    if cfg.expected_params is not None:
+        check_expected_params(cfg)
+    if cfg.mesh.distributed:
+        jax.distributed.initialize(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
+                                   cfg.mesh.process_id)
+    lead = jax.process_index() == 0
+    run_dir = Path(cfg.run.dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run.dir {run_dir} is a file, not a directory; give another run.dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with _run_dir_lock(run_dir, lead):
+        return _train(cfg, run_dir, lead)
+
+
+@contextlib.contextmanager
+def _run_dir_lock(run_dir: Path, lead: bool) -> Iterator[None]:
+    """Hold an advisory lock on `run_dir/.lock` (process 0) while training, so that a second
+    cem-train on the same directory stops at once (RunDirInUse) instead of interleaving its
+    checkpoints and metrics. A file system without locks (some FUSE mounts) runs unlocked."""
+    if not lead:
+        yield
+        return
+    with open(run_dir / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise RunDirInUse(f"{run_dir} is in use by another cem-train ({f.read().strip()}); "
+                              "wait for it to finish or give another run.dir") from None
+        except OSError:  # no flock here: nothing to hold
+            pass
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        yield
+
+
+def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
+    mesh = make_mesh(cfg.mesh)
+    check_batch_split(cfg, mesh)
+    with contextlib.ExitStack() as closing:  # closed on errors too
+        checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
+        closing.callback(checkpointer.close)
+        resume_step = checkpointer.latest_step()
+        if resume_step is not None:
+            _check_resumed_config(cfg, run_dir, resume_step)
+        tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
+        if cfg.data.has_validation:  # a bad validation corpus fails now, not after training
+            load_tokens(cfg.data, tokenizer, "validation")
+        trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh, cfg.run.debug_nan_step)
+        iterator = make_train_iterator(cfg.data, tokenizer)
+        if resume_step is None:
+            state = trainer.init(cfg.run.seed)
+        else:
+            state, meta = checkpointer.restore(resume_step, trainer.abstract_state(), iterator)
+            if meta["tokenizer_sha256"] != tokenizer.sha256:
+                raise CheckpointError(f"{run_dir / 'tokenizer.model'} is not the tokenizer the "
+                                      f"checkpoint was trained with")
+            logger.info("resumed %s from step %d", run_dir, resume_step)
+        if lead:  # once the checkpoint is known good: a refused resume changes nothing
+            save_config(cfg, run_dir / "config.yaml")
+        finished = _finished_result(cfg, run_dir, resume_step)
+        writer = MetricsWriter(run_dir, resume_step or 0)
+        closing.callback(writer.close)
+        first = resume_step or 0
+        if finished is None:
+            loop = make_loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer,
+                             mesh, first, closing)
+            try:
+                with logging_redirect_tqdm([logging.getLogger("cem_jax")]):
+                    state, step, stopped = loop.run()
+            except TrainingDiverged as err:
+                checkpointer.wait()
+                raise TrainingDiverged(
+                    f"{err}. Nothing was saved after it: the latest good checkpoint is step "
+                    f"{checkpointer.latest_step()} in {checkpointer.directory}. Lower "
+                    f"optimizer.lr or raise optimizer.warmup_steps, then resume.") from None
+            checkpointer.wait()
+        else:  # started again after its end: report what it logged, log nothing twice
+            step, stopped = first, False
+            logger.info("%s has taken its %d steps already; nothing to train", run_dir, step)
+        summary = {"step": step, "stopped_early": stopped, "eval": {}, "sample": ""}
+        if stopped:
+            logger.info("stopped by a signal at step %d; checkpoint saved in %s", step,
+                        checkpointer.directory)
+            return summary
+        if cfg.data.has_validation:
+            if finished is None:
+                summary["eval"] = _validate(cfg, trainer, state["params"], tokenizer, mesh)
+                writer.write(step, "eval", summary["eval"])
+            else:
+                summary["eval"] = finished
+            logger.info("validation after %d steps: %s", step, describe(summary["eval"]))
+    if cfg.run.sample_tokens:
+        summary["sample"] = _sample(cfg, state["params"], tokenizer, mesh)
+        logger.info("sample:\n%s%s", cfg.run.sample_prompt, summary["sample"])
+    return summary
+
+
+def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokenizer: Tokenizer,
+              checkpointer: Checkpointer, writer: MetricsWriter, mesh: jax.sharding.Mesh,
+              first: int, closing: contextlib.ExitStack) -> TrainLoop:
+    """cem-train's step loop from step `first` to `run.steps`, with its hooks
+    (`cem_jax.train.hooks`); `closing` gets what must be closed after it (the bar, the signal
+    handlers). Also what `benchmarks/loop.py` times."""
+    run = cfg.run
+    flops = flops_per_token(cfg.model, cfg.data.seq_len)
+    peak, peak_source = peak_flops(run.peak_flops)
+    logger.info("%d layers, D=%d: %s parameters; %.1f MFLOPs/token (train); peak %.0f GFLOP/s "
+                "(%s); mesh %s", cfg.model.num_layers, cfg.model.d_model,
+                f"{sum(x.size for x in jax.tree.leaves(state['params'])):,}", flops / 1e6,
+                peak / 1e9, peak_source, dict(mesh.shape))
+    batches = (global_batch(batch, mesh) for batch in iterator)
+    loop = TrainLoop(trainer.train_step, state, batches, first_step=first, last_step=run.steps)
+    progress = hooks.Progress(first, run.steps, cfg.data.batch_size * cfg.data.seq_len,
+                              run.progress)
+    closing.callback(progress.close)
+    loop.add_hook(progress)
+    loop.add_hook(hooks.LogMetrics(writer, progress, learning_rate(cfg.optimizer, run.steps),
+                                   flops, peak), run.log_every, at_last=True)
+    if run.debug_signal_step is not None:
+        loop.add_hook(hooks.DebugSignal(run.debug_signal_step, run.debug_signal),
+                      run.debug_signal_step, reads="state")
+    stop = hooks.StopOnSignal(agree_every=run.log_every)
+    closing.callback(stop.restore)
+    loop.add_hook(stop, reads="state")
+    if cfg.data.has_validation:
+        validate = hooks.Validate(
+            lambda params: _validate(cfg, trainer, params, tokenizer, mesh), writer)
+        loop.add_hook(validate, run.eval_every, reads="state")
+    loop.add_hook(hooks.SaveCheckpoint(
+        lambda step, state: checkpointer.save(step, state, iterator, cfg.to_dict(), tokenizer),
+        writer), run.checkpoint_every, reads="state", at_last=True)
+    return loop
+
+
+def _validate(cfg: TrainConfig, trainer: Trainer, params: dict, tokenizer: Tokenizer,
+              mesh: jax.sharding.Mesh) -> dict[str, float]:
+    """`cem_jax.evaluate.evaluate` on the validation split (its first `run.eval_batches`
+    batches, if set) with the trainer's compiled eval step."""
+    return evaluate(params, cfg.model, cfg.data, tokenizer, mesh,
+                    max_batches=cfg.run.eval_batches, eval_step=trainer.eval_step)
+
+
+def _sample(cfg: TrainConfig, params: dict, tokenizer: Tokenizer,
+            mesh: jax.sharding.Mesh) -> str:
+    """A document continuing `run.sample_prompt` (`cem_jax.sample.generate`, the parameters as
+    sharded on the mesh, the tokens replicated for every process)."""
+    sampling = SamplingConfig(cfg.run.sample_tokens, cfg.run.sample_temperature,
+                              eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                              seed=cfg.run.seed)
+    prompt = [tokenizer.eos_id] + tokenizer.encode(cfg.run.sample_prompt)  # a document start
+    out = generate(params, cfg.model, [prompt], sampling, out_sharding=replicated(mesh))
+    return tokenizer.decode(out.tokens[0, :out.lengths[0]])
+
+
+def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int) -> None:
+    """A resumed run keeps the model and data config of its config.yaml (data fields outside
+    the token stream aside, `NOT_IN_TOKEN_STREAM`), and run.steps is at least the
+    resume step (ValueError otherwise). A change of any `optimizer` field or of `run.steps` is
+    allowed (to train longer, say; the optimizer state does not depend on them,
+    `cem_jax.train.optim`), and reported: it applies, learning-rate schedule included, from the
+    resume step on."""
+    if cfg.run.steps < resume_step:
+        raise ValueError(f"run.steps = {cfg.run.steps} but the run in {run_dir} has taken "
+                         f"{resume_step} steps already; give run.steps >= {resume_step}, or "
+                         "another run.dir")
+    saved, given = load_config(run_dir / "config.yaml").to_dict(), cfg.to_dict()
+
+    def diff(section, keys=None):
+        old, new = saved[section], given[section]
+        return {f"{section}.{k}": (old[k], new[k]) for k in keys or old if old[k] != new[k]}
+
+    data_keys = [k for k in saved["data"] if k not in NOT_IN_TOKEN_STREAM]
+    for section, keys in (("model", None), ("data", data_keys)):
+        if changed := diff(section, keys):
+            raise ValueError(f"{run_dir} holds a run with a different {section} config "
+                             f"(saved, given): {changed}; use another run.dir")
+    if changed := {**diff("optimizer"), **diff("run", ["steps"])}:
+        logger.warning("resuming with a changed optimizer or schedule (saved, given): %s; the "
+                       "new settings and learning rate apply from the resume step on", changed)
+
+
+def _finished_result(cfg: TrainConfig, run_dir: Path,
+                     resume_step: int | None) -> dict[str, float] | None:
+    """A run started again after its last step: the final validation it logged ({} without a
+    validation split). None while it has steps to take, or when its final evaluation was never
+    logged (killed during it, or stopped by a signal at the last step): it is evaluated then."""
+    if resume_step != cfg.run.steps:
+        return None
+    return logged_values(run_dir, resume_step, "eval") if cfg.data.has_validation else {}
+
+
+def _run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool) -> Tokenizer:
+    """A resumed run's own tokenizer.model; a new run's tokenizer from the data config, saved
+    into the run directory."""
+    path = run_dir / "tokenizer.model"
+    if resumed:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing from the run directory being resumed; "
+                                    f"restore it or start a new run.dir")
+        return load_tokenizer(path, expected_vocab_size=cfg.data.vocab_size)
+    tokenizer = build_tokenizer(cfg.data)
+    if jax.process_index() == 0:
+        tokenizer.save(path)
+    return tokenizer
+
+
+class _ProcessFormatter(logging.Formatter):
+    """The message alone; in a multi-host run, prefixed with "[process i/n]"."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        if jax.distributed.is_initialized() and jax.process_count() > 1:
+            return f"[process {jax.process_index()}/{jax.process_count()}] {message}"
+        return message
+
+
+def _lead_or_warning(record: logging.LogRecord) -> bool:
+    """Process 0's messages, and every process's warnings and errors."""
+    return record.levelno >= logging.WARNING or not jax.distributed.is_initialized() \
+        or jax.process_index() == 0
+
+
+def log_to_stdout() -> None:
+    """Print the "cem_jax" loggers' messages on stdout (`cem-train`'s output; see the module
+    docstring). Idempotent: a second call replaces the handler of the first."""
+    root = logging.getLogger("cem_jax")
+    for handler in [h for h in root.handlers if getattr(h, "cem_train", False)]:
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.cem_train = True
+    handler.setFormatter(_ProcessFormatter("%(message)s"))
+    handler.addFilter(_lead_or_warning)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False  # not again through handlers others put on the root logger

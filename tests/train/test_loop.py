@@ -1,0 +1,100 @@
+"""The step loop (`cem_jax.train.loop.TrainLoop`) with stub steps that record the order of
+events: the host never reads the step it has just dispatched, hooks run when due, a non-finite
+step stops the run before any later save."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cem_jax.train.loop import TrainingDiverged, TrainLoop
+
+
+class Probe:
+    """A metric whose read (`float`) is recorded in the event log."""
+
+    def __init__(self, log: list, step: int, value: float):
+        self.log, self.step, self.value = log, step, value
+
+    def __float__(self) -> float:
+        self.log.append(("read", self.step))
+        return self.value
+
+
+def make_loop(log: list, last_step: int = 6, losses: dict | None = None,
+              first_step: int = 0) -> TrainLoop:
+    def step_fn(state, batch):
+        step = state + 1
+        log.append(("dispatch", step))
+        loss = (losses or {}).get(step, 1.0 / step)
+        return step, {"loss": Probe(log, step, loss)}
+
+    return TrainLoop(step_fn, first_step, iter(range(100)), first_step=first_step,
+                     last_step=last_step)
+
+
+def test_metrics_are_read_a_step_late_and_hooks_run_when_due():
+    log: list = []
+    loop = make_loop(log)
+    loop.add_hook(lambda info: log.append(("log", info.step, info.host_metrics()["loss"])),
+                  every=2, at_last=True)
+    loop.add_hook(lambda info: log.append(("eval", info.step, info.state)), every=3,
+                  reads="state")
+    state, step, stopped = loop.run()
+    assert (state, step, stopped) == (6, 6, False)
+    assert log == [
+        ("dispatch", 1), ("dispatch", 2), ("read", 1), ("dispatch", 3), ("read", 2),
+        ("log", 2, 0.5), ("eval", 3, 3), ("dispatch", 4), ("read", 3), ("dispatch", 5),
+        ("read", 4), ("log", 4, 0.25), ("dispatch", 6), ("read", 5), ("eval", 6, 6),
+        ("read", 6), ("log", 6, 1 / 6)]
+    for i, event in enumerate(log):  # never a read of the step dispatched last
+        if event[0] == "read":
+            last_dispatch = max(e[1] for e in log[:i] if e[0] == "dispatch")
+            assert event[1] < last_dispatch or event[1] == 6, (i, event)
+
+
+def test_a_state_hook_can_finish_its_step_first():
+    """A checkpoint needs its step's metrics checked and logged before it saves."""
+    log: list = []
+    loop = make_loop(log, last_step=4)
+    loop.add_hook(lambda info: log.append(("log", info.step)), every=1)
+
+    def save(info):
+        info.finish()
+        log.append(("save", info.step))
+
+    loop.add_hook(save, every=2, reads="state", at_last=True)
+    loop.run()
+    assert log.index(("save", 2)) == log.index(("log", 2)) + 1
+    assert log.count(("log", 2)) == 1 and log.count(("read", 2)) == 1
+    assert log[-3:] == [("read", 4), ("log", 4), ("save", 4)]
+
+
+@pytest.mark.parametrize("bad_step", [3, 4])
+def test_a_non_finite_step_is_never_saved(bad_step):
+    log: list = []
+    loop = make_loop(log, losses={bad_step: math.nan})
+    loop.add_hook(lambda info: (info.finish(), log.append(("save", info.step))), every=2,
+                  reads="state", at_last=True)
+    with pytest.raises(TrainingDiverged, match=f"non-finite training metrics at step "
+                                               f"{bad_step}: loss nan"):
+        loop.run()
+    assert [e[1] for e in log if e[0] == "save"] == [2]
+
+
+def test_a_hook_stops_the_run_and_later_hooks_see_the_last_step():
+    log: list = []
+    loop = make_loop(log, last_step=10, first_step=2)
+    loop.add_hook(lambda info: info.step == 5 and info.request_stop(), reads="state")
+    loop.add_hook(lambda info: log.append(("save", info.step)), every=4, reads="state",
+                  at_last=True)
+    state, step, stopped = loop.run()
+    assert (state, step, stopped) == (5, 5, True)
+    assert [e[1] for e in log if e[0] == "save"] == [4, 5]
+    assert ("dispatch", 6) not in log and ("dispatch", 3) in log
+
+
+def test_hook_every_must_be_positive():
+    with pytest.raises(ValueError, match="every 0 steps"):
+        make_loop([]).add_hook(print, every=0)
