@@ -5,7 +5,9 @@
 #   2. the kernel tests with the compiled GPU kernels, slow sweeps included   TEST_TIMEOUT=190
 #   3. the attention benchmark: tied kernel vs cuDNN (XLA as context), with the
 #      launch-setting sweep; the memory curves only with MEMORY=1              BENCH_TIMEOUT=140
-#   4. the train-step comparison (to be added: see the marked place below)   TRAIN_TIMEOUT=100
+#   4. the compiled cuDNN-path tests (impl=cudnn vs xla on packed batches), then the
+#      train-step comparison of cem_full_100m: tied CEM (xla, pallas, cudnn) vs its Llama twin
+#      with cuDNN attention (the baseline), XLA's as context                  TRAIN_TIMEOUT=100
 # Logs go to OUT_DIR, one file per step.
 #
 #   benchmarks/gpu_kernels.sh [OUT_DIR]      (default benchmarks/results; PYTHON=python3)
@@ -33,5 +35,9 @@ if [ "${MEMORY:-0}" = 1 ]; then only=(); fi
 timeout "${BENCH_TIMEOUT:-140}" "$py" benchmarks/attention.py --sweep "${only[@]}" 2>&1 \
   | tee "$out/attention_gpu.txt"
 
-# 4. Train-step comparison (tied CEM vs its Llama twin with cuDNN attention, issue #16 item 2):
-# add it here, bounded by "${TRAIN_TIMEOUT:-100}" seconds and logged to "$out/train_step_gpu.txt".
+# 4. cuDNN path and train-step comparison (issue #16 items 1-2): remat off (memory allows it on
+# an H200 at batch 16; recomputation is work MFU does not count).
+timeout "${TRAIN_TIMEOUT:-100}" bash -c "
+  \"$py\" -m pytest -q -p no:cacheprovider tests/test_attention_impl.py -k on_a_gpu &&
+  \"$py\" benchmarks/train_step.py --config configs/cem_full_100m.yaml --repeats 5 \
+    data.batch_size=16 model.remat=none" 2>&1 | tee "$out/train_step_gpu.txt"

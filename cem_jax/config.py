@@ -24,6 +24,10 @@ from cem_jax.updates import IMPLS
 
 T = TypeVar("T")
 
+# ModelConfig fields that choose how the same function is computed (a resumed run may change
+# them): the attention implementation, the closed form's query block, rematerialization.
+NOT_IN_MATH = ("impl", "attention_block", "remat")
+
 INTERACTIONS = ("lowrank", "dplr")
 DIAGONALS = ("per_head", "shared")
 PRECONDITIONERS = ("none", "scalar", "diag", "dplr")
@@ -61,9 +65,11 @@ class ModelConfig:
         rope_original_max_position); formulas in `cem_jax.energies.RopeScaling`.
       activation: σ of the MLP, "silu" | "gelu" | "relu" or one added with
         `cem_jax.energies.register_activation` (its antiderivative Φ is the MLP energy's).
-      impl: "autodiff" (-jax.grad of the energy), "xla" (closed form) or "pallas" (closed
-        form with tied attention in the fused Pallas kernel; interpret mode on CPU, slow);
-        all agree.
+      impl: "autodiff" (-jax.grad of the energy), "xla" (closed form), "pallas" (closed
+        form with tied attention in the fused Pallas kernel; interpret mode on CPU, slow),
+        "cudnn" (attention in cuDNN's flash attention: a GPU, bfloat16, heads ≤ 256 wide) or
+        "auto" (the fastest of these for the platform, `cem_jax.updates.attention_impl`); all
+        agree, and a resumed run may change it (`NOT_IN_MATH`).
       attention_block: query block of the xla attention's causal block skipping (speed only).
     """
 
@@ -159,6 +165,13 @@ class ModelConfig:
         else:
             require(self.position == "rope", "rope_type", self.rope_type,
                     "'default' with position='none' (there is no RoPE to scale)")
+        if self.impl == "cudnn":
+            require(self.dtype == "bfloat16", "impl", self.impl, "used with dtype='bfloat16' "
+                    "(cuDNN's flash attention takes bf16/fp16): set dtype or impl='auto'")
+            require(not (self.tie_attention and self.interaction == "dplr"), "impl", self.impl,
+                    f"not 'cudnn' with interaction='dplr': its heads are K + D = "
+                    f"{self.head_width + self.d_model} wide, cuDNN takes at most 256; use "
+                    f"impl='pallas', 'xla' or 'auto'")
         require(self.interaction == "lowrank" or self.tie_attention, "interaction",
                 self.interaction, "'lowrank' when tie_attention is false (the diagonal term "
                 "belongs to the CEM attention energy)")

@@ -88,7 +88,8 @@ class Attention(nnx.Module):
         if self.tied:
             return tied_attention_mixer(params, self.spec, positions, segment_ids, impl=self.impl,
                                         cache=cache)
-        return llama_attention_mixer(params, self.spec, positions, segment_ids, cache=cache)
+        return llama_attention_mixer(params, self.spec, positions, segment_ids, impl=self.impl,
+                                     cache=cache)
 
 
 class MLP(nnx.Module):

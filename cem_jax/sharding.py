@@ -74,6 +74,15 @@ def constrain(x: Array, *logical: str | None) -> Array:
     return jax.lax.with_sharding_constraint(x, logical_to_mesh(logical, x.shape, mesh.shape))
 
 
+def target_platform() -> str:
+    """The platform being traced for: the device platform of the abstract mesh in context
+    ("tpu", "gpu", "cpu"; set when lowering for a TPU or GPU from a CPU host, DESIGN.md §6,
+    and by the train and eval steps' mesh), else `jax.default_backend()`. Kernel and `impl`
+    choices follow it (`cem_jax.kernels`, `cem_jax.updates.attention_impl`)."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return jax.default_backend() if device is None else device.platform
+
+
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     """A `Mesh` of shape (data, fsdp, tensor) over `devices` (default: all, every process).
 

@@ -6,9 +6,12 @@ A sub-layer with input x⁰ [B,T,D] fixes the context c = RMSNorm(x⁰) and take
     xᵏ⁺¹ = xᵏ + P·u(yᵏ | c),   yᵏ = RMSNorm(xᵏ),   u = -∇_y E(y | c)   (k = 0 … steps-1)
 
 `Mixer` bundles one sub-layer's math as functions of (y, c); `run_steps` is the step loop and the
-dispatch: `impl="autodiff"` takes u from `-jax.grad(mixer.energy)`, `impl="xla"` from the closed
-form `mixer.direction`. Untied (Llama) sub-layers have no energy: their "direction" is the
-ordinary Llama output, so a baseline block is exactly a pre-norm Llama block at steps=1, P=I.
+dispatch: `impl="autodiff"` takes u from `-jax.grad(mixer.energy)`, every other impl from the
+closed form `mixer.direction`, whose attention core (`attention_impl`: XLA, the Pallas kernel or
+cuDNN) the attention mixers choose at trace time. Untied (Llama) sub-layers have no energy: their
+"direction" is the ordinary Llama output, so a baseline block is exactly a pre-norm Llama block
+at steps=1, P=I. The attention mixers read their context from the sequence itself or from a
+decode cache (`cem_jax.kvcache`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from cem_jax.energies import (
     rope_tables,
 )
 from cem_jax.kvcache import Cache, KVCache
+from cem_jax.sharding import logical_to_mesh, target_platform
 
 Array = jax.Array
 
@@ -240,10 +244,12 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
 
     Values are the rotated keys, the output projection is Wqᵀ; the diagonal (DPLR) part attends
     with query d_h ⊙ y and key/value c, computed as a second head concatenated onto the
-    low-rank one. params as in `attention_energy`; causal blocks of `spec.block_size` queries
-    skip the keys after them. impl="pallas" runs the attention core through the fused kernel
-    `cem_jax.kernels.tied_attention` (interpret mode on CPU); RoPE, its un-rotation, the DPLR
-    concatenation and the output projection stay in XLA around it.
+    low-rank one. params as in `attention_energy`. The attention core follows `impl`
+    (`attention_impl`): "xla" and "autodiff" (its closed form, for monitors) attend in causal
+    blocks of `spec.block_size` queries that skip the keys after them; "pallas" runs the fused
+    kernel `cem_jax.kernels.tied_attention` (interpreted on CPU); "cudnn" runs cuDNN's flash
+    attention as dpa(R q, R k, R k); "auto" picks per platform. RoPE, its un-rotation, the
+    DPLR concatenation and the output projection stay in XLA around the core.
 
     With a decode `cache` (`cem_jax.kvcache.Cache` of this sub-layer: leaves [C,...]) the
     context is the cache: `prepare` writes the tokens' keys into it and the core is `attend`
@@ -273,8 +279,12 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
             S = k.shape[-2]
             k = jnp.concatenate([k, jnp.broadcast_to(ctx.context[:, None], (B, G, S, D))],
                                 axis=-1)
-        if impl == "pallas" and cache is None:
+        core = "xla" if cache is not None else attention_impl(impl, q.dtype, q.shape[-1],
+                                                                   tied=True)
+        if core == "pallas":
             o = _pallas_attention(q.reshape(B, spec.num_heads, T, -1), k, segment_ids, spec)
+        elif core == "cudnn":  # dpa(R q, R k, R k): the values are the rotated keys
+            o = _cudnn_attention(q.reshape(B, spec.num_heads, T, -1), k, k, segment_ids, spec)
         else:
             o = _causal_attention(q, k, k, ctx.mask, spec, skip=cache is None)
             o = o.reshape(B, spec.num_heads, T, -1)
@@ -297,7 +307,7 @@ def _pallas_attention(q: Array, k: Array, segment_ids: Array | None, spec: Atten
     """The tied kernel on heads-major q [B,H,T,W], k [B,G,S,W] (W = K, or K + D with DPLR) and
     int [B,T] segment_ids; returns o [B,H,T,W] in q.dtype.
 
-    The kernel is built for the platform traced for (`cem_jax.kernels.common.target_platform`:
+    The kernel is built for the platform traced for (`cem_jax.sharding.target_platform`:
     the mesh's device, so lowering for a TPU from a CPU host embeds the Mosaic kernel), and
     interpreted on CPU. Under a mesh of more than one device it runs in a `jax.shard_map`,
     since XLA cannot partition a Mosaic (or Triton) call: each device attends over its own
@@ -307,8 +317,6 @@ def _pallas_attention(q: Array, k: Array, segment_ids: Array | None, spec: Atten
     """
     # imported on use: Pallas stays off the xla/autodiff paths
     from cem_jax.kernels import tied_attention
-    from cem_jax.kernels.common import target_platform
-    from cem_jax.sharding import logical_to_mesh
 
     interpret = True if target_platform() == "cpu" else None
 
@@ -329,20 +337,98 @@ def _pallas_attention(q: Array, k: Array, segment_ids: Array | None, spec: Atten
                          check_vma=False)(*args)
 
 
+CUDNN_MAX_HEAD_WIDTH = 256  # cuDNN flash attention's widest head (Hopper, cuDNN 9)
+
+
+def attention_impl(impl: str, dtype, width: int, *, tied: bool) -> str:
+    """The attention core an `impl` runs on the platform traced for
+    (`cem_jax.sharding.target_platform`), for heads `width` wide (K, or K + D with DPLR) in
+    compute `dtype`: "xla", "pallas" or "cudnn".
+
+    "auto" is the fastest correct core there: on a GPU cuDNN's flash attention (bf16/fp16 and
+    heads ≤ `CUDNN_MAX_HEAD_WIDTH`), else the tied Pallas kernel for tied attention; on a TPU
+    the Pallas kernel for tied attention; else (CPU, untied attention off a GPU) the XLA core.
+    "autodiff" attends with the XLA core where a closed form runs. "pallas" for untied
+    attention is the XLA core (the kernel's values are its keys). Raises ValueError for
+    "cudnn" off a GPU, or in a dtype or head width cuDNN does not take.
+    """
+    platform = target_platform()
+    on_gpu = platform in ("gpu", "cuda", "rocm")
+    cudnn_ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and width <= CUDNN_MAX_HEAD_WIDTH
+    if impl == "auto":
+        if on_gpu and cudnn_ok:
+            return "cudnn"
+        return "pallas" if tied and platform != "cpu" else "xla"
+    if impl == "cudnn" and not (on_gpu and cudnn_ok):
+        raise ValueError(f"impl='cudnn' runs cuDNN's flash attention, which needs a GPU (this "
+                         f"is {platform}), bfloat16 or float16 (here {jnp.dtype(dtype).name}) "
+                         f"and heads at most {CUDNN_MAX_HEAD_WIDTH} wide (here {width}); use "
+                         f"impl='auto' to pick the fastest path this platform has")
+    if impl == "pallas" and not tied:
+        return "xla"
+    return "xla" if impl == "autodiff" else impl
+
+
+def _cudnn_attention(q: Array, k: Array, v: Array, segment_ids: Array | None,
+                     spec: AttentionSpec) -> Array:
+    """cuDNN's causal flash attention on heads-major q [B,H,T,K], k and v [B,G,S,K] (GQA:
+    H = G·R) → o [B,H,T,K] in q.dtype. Packed documents (segment_ids int [B,T]) go in as
+    cuDNN's segment offsets and lengths (`_packed_segments`), causal within each; the public
+    `jax.nn.dot_product_attention` has no segments, so this uses
+    `jax._src.cudnn.fused_attention_stablehlo` (a private module: check it on JAX upgrades).
+    """
+    if segment_ids is None:
+        o = jax.nn.dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
+                                         v.transpose(0, 2, 1, 3), scale=spec.beta,
+                                         is_causal=True, implementation="cudnn")
+        return o.transpose(0, 2, 1, 3)
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    offsets, lengths = _packed_segments(segment_ids)
+    return cudnn.dot_product_attention(
+        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+        scale=spec.beta, mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BNTH")
+
+
+def _packed_segments(segment_ids: Array) -> tuple[Array, Array]:
+    """cuDNN's packed layout of segment ids int [B,T] (a new segment wherever the id changes):
+    (offsets int32 [B,T+1]: each segment's first position, then -1; lengths int32 [B,T]: each
+    segment's length, then -1), T segments at most per row."""
+    B, T = segment_ids.shape
+    steps = jnp.arange(T, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+                             axis=1)
+    first = jnp.sort(jnp.where(starts, steps, T), axis=1)  # starts ascending, then T
+    ends = jnp.concatenate([first[:, 1:], jnp.full((B, 1), T, jnp.int32)], axis=1)
+    valid = first < T
+    offsets = jnp.where(valid, first, -1).astype(jnp.int32)
+    lengths = jnp.where(valid, ends - first, -1).astype(jnp.int32)
+    return jnp.concatenate([offsets, jnp.full((B, 1), -1, jnp.int32)], axis=1), lengths
+
+
 def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | None,
-                          segment_ids: Array | None, *, cache: Cache | None = None) -> Mixer:
+                          segment_ids: Array | None, *, impl: str = "xla",
+                          cache: Cache | None = None) -> Mixer:
     """Untied Llama attention (the baseline): softmax(β q kᵀ) v Wo with free Wq [D,H,K],
     Wk [D,G,K], Wv [D,G,K], Wo [H,K,D]; queries from y, keys/values from c. No energy.
-    params["out_scale"] ([] or [D], `fold_preconditioner`) scales Wo's output: P·u. A decode
-    `cache` works as in `tied_attention_mixer`."""
+    params["out_scale"] ([] or [D], `fold_preconditioner`) scales Wo's output: P·u. The core
+    is cuDNN's flash attention with impl "cudnn" (or "auto" on a GPU), else the blocked XLA
+    core (the Pallas kernel is tied-only). A decode `cache` works as in
+    `tied_attention_mixer`."""
     out = (params["out"] * params.get("out_scale", 1.0)).reshape(-1, params["out"].shape[-1])
     prepare = _attention_context(params, spec, positions, segment_ids, cache, values=True,
                                  context=False)
 
     def direction(y, ctx):
         B, T, _ = y.shape
-        o = _causal_attention(_query_heads(y, params, spec, ctx), ctx.key, ctx.value, ctx.mask,
-                              spec, skip=cache is None)
+        q = _query_heads(y, params, spec, ctx)
+        core = "xla" if cache is not None else attention_impl(impl, q.dtype, q.shape[-1],
+                                                                   tied=False)
+        if core == "cudnn":
+            o = _cudnn_attention(q.reshape(B, spec.num_heads, T, -1), ctx.key, ctx.value,
+                                 segment_ids, spec)
+        else:
+            o = _causal_attention(q, ctx.key, ctx.value, ctx.mask, spec, skip=cache is None)
         return _merge_heads(o.reshape(B, spec.num_heads, T, -1), out)
 
     return Mixer(prepare, direction, None)
@@ -425,7 +511,7 @@ def fold_preconditioner(kind: str, params: dict, impl: str, gradient_wrt: str) -
 # The step loop: the single dispatch point between implementations.
 # ----------------------------------------------------------------------------------------------
 
-IMPLS = ("autodiff", "xla", "pallas")
+IMPLS = ("autodiff", "xla", "pallas", "cudnn", "auto")
 
 
 def run_steps(x0: Array, mixer: Mixer, *, norm_scale: Array, eps: float,
@@ -437,9 +523,9 @@ def run_steps(x0: Array, mixer: Mixer, *, norm_scale: Array, eps: float,
 
     precond: u ↦ P·u (`precondition`), or the identity when P is already folded into the
       mixer's output projection (`fold_preconditioner`, as `layers.SubLayer` does).
-    impl: "xla" uses the closed form `mixer.direction`; "autodiff" uses -jax.grad of
-      `mixer.energy` (mixers without an energy, untied or cached, always use their direction);
-      "pallas" is the closed form too, with tied attention built with impl="pallas".
+    impl: "autodiff" uses -jax.grad of `mixer.energy` (mixers without an energy, untied or
+      cached, use their direction); every other impl ("xla", "pallas", "cudnn", "auto") is the
+      closed form `mixer.direction`, whose attention core the mixer was built with.
     gradient_wrt: "normalized" (u = -∇_y E) or "residual" (u = -∇_x E(RMSNorm(x) | c)).
     recompute_context: c = RMSNorm(xᵏ) at every step instead of RMSNorm(x⁰).
     monitor: also return energies fp32 [steps, 2, B, T]: E(yᵏ | cᵏ) before and E(yᵏ⁺¹ | cᵏ)

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cem_jax.sharding import target_platform
+
 Array = jax.Array
 
 BACKENDS = ("tpu", "gpu", "xla")
@@ -124,14 +126,6 @@ def validate(q, k, causal, segment_ids, scale, block_sizes, backend) -> None:
         raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS} or None")
-
-
-def target_platform() -> str:
-    """The platform being traced for: the device platform of the abstract mesh in context
-    ("tpu", "gpu", "cpu"; set when lowering for a TPU or GPU from a CPU host, DESIGN.md §6,
-    and by the train and eval steps' mesh), else `jax.default_backend()`."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return jax.default_backend() if device is None else device.platform
 
 
 def resolve_backend(backend: str | None, interpret) -> tuple[str, object]:

@@ -56,7 +56,7 @@ def tied_attention(q: Array, k: Array, *, causal: bool = True, segment_ids: Arra
         differentiated by autodiff) or None: by the platform traced for (TPU → "tpu",
         GPU → "gpu", CPU → "xla", or "gpu" interpreted when `interpret` is set): the device
         of the abstract mesh in context when it has one (lowering for a TPU from a CPU host),
-        else `jax.default_backend()` (`common.target_platform`).
+        else `jax.default_backend()` (`cem_jax.sharding.target_platform`).
       interpret: run the Pallas kernel in interpret mode (CPU); None = True exactly when that
         platform is the CPU.
         For "tpu" a `jax.experimental.pallas.tpu.InterpretParams` selects the TPU interpreter.

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from cem_jax.config import NOT_IN_MATH
 from cem_jax.data import (
     Tokenizer,
     build_tokenizer,
@@ -265,8 +266,9 @@ def _sample(cfg: TrainConfig, params: dict, tokenizer: Tokenizer,
 
 
 def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int) -> None:
-    """A resumed run keeps the model and data config of its config.yaml (data fields outside
-    the token stream aside, `NOT_IN_TOKEN_STREAM`), and run.steps is at least the
+    """A resumed run keeps the model and data config of its config.yaml (model fields that only
+    choose how the same function is computed aside, `cem_jax.config.NOT_IN_MATH`, and data
+    fields outside the token stream, `NOT_IN_TOKEN_STREAM`), and run.steps is at least the
     resume step (ValueError otherwise). A change of any `optimizer` field or of `run.steps` is
     allowed (to train longer, say; the optimizer state does not depend on them,
     `cem_jax.train.optim`), and reported: it applies, learning-rate schedule included, from the
@@ -281,8 +283,9 @@ def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int) -> 
         old, new = saved[section], given[section]
         return {f"{section}.{k}": (old[k], new[k]) for k in keys or old if old[k] != new[k]}
 
+    model_keys = [k for k in saved["model"] if k not in NOT_IN_MATH]
     data_keys = [k for k in saved["data"] if k not in NOT_IN_TOKEN_STREAM]
-    for section, keys in (("model", None), ("data", data_keys)):
+    for section, keys in (("model", model_keys), ("data", data_keys)):
         if changed := diff(section, keys):
             raise ValueError(f"{run_dir} holds a run with a different {section} config "
                              f"(saved, given): {changed}; use another run.dir")

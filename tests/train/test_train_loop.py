@@ -188,10 +188,12 @@ def test_resume_refuses_a_changed_model_or_token_stream_and_reports_a_changed_op
     assert "{'data.seq_len': (16, 32)}" in capsys.readouterr().err
     assert main([*args, "run.steps=2"]) == 1
     assert "run.steps = 2 but the run in" in capsys.readouterr().err
-    # How the data is read may change, and any optimizer field: clipping and weight decay off
-    # keep the optimizer state's structure (tests/train/test_resume.py checks every field).
+    # How the data is read may change, how the model is computed (impl, attention block,
+    # remat), and any optimizer field: clipping and weight decay off keep the optimizer
+    # state's structure (tests/train/test_resume.py checks every field).
     assert main([*args, "run.steps=5", "optimizer.lr=5e-3", "optimizer.clip_norm=0",
-                 "optimizer.weight_decay=0", "data.prefetch=1", "data.num_threads=2"]) == 0
+                 "optimizer.weight_decay=0", "data.prefetch=1", "data.num_threads=2",
+                 "model.impl=auto", "model.attention_block=8", "model.remat=full"]) == 0
     out = capsys.readouterr().out
     assert ("changed optimizer or schedule (saved, given): {'optimizer.lr': (0.01, 0.005), "
             "'optimizer.weight_decay': (0.1, 0.0), 'optimizer.clip_norm': (1.0, 0.0), "
