@@ -576,8 +576,8 @@ class Report:
                  "per layer and step: the fraction of tokens whose energy went down across the "
                  "update / the mean energy change (after − before, in the energy's units), "
                  "mean over the seeds. The default update applies the y-gradient to x "
-                 "(DESIGN.md §1), so descent is not guaranteed: a cell with a fraction under "
-                 "50% or a positive mean change is where it does not hold.", "",
+                 "(DESIGN.md §1), so descent is not guaranteed: the cells listed below the "
+                 "table are where it does not hold for every token.", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         up = []
         for stem, per_seed in stats.items():
@@ -589,12 +589,14 @@ class Report:
                 for k in range(down.shape[1]):
                     cells = [f"{down[i, k]:.0%} / {change[i, k]:+.3g}" for i in range(len(down))]
                     lines.append("| " + " | ".join([stem, kind, str(k + 1), *cells]) + " |")
-                    up += [f"{stem} {kind} layer {i} step {k + 1}" for i in range(len(down))
-                           if down[i, k] < 0.5 or change[i, k] > 0]
+                    up += [f"{stem} {kind} layer {i} step {k + 1} ({1 - down[i, k]:.1%} of "
+                           f"the tokens{', mean energy up' if change[i, k] > 0 else ''})"
+                           for i in range(len(down)) if down[i, k] < 0.995 or change[i, k] > 0]
         png = figure_path(out, "descent")
         _plot_descent(stats, png)
-        lines += ["", "Where descent does not hold: " + ("; ".join(up) if up else "nowhere") +
-                  ".", "", f"![fraction of tokens whose energy went down]({png.name})", ""]
+        lines += ["", "Where the energy went up for more than 0.5% of the tokens (or on "
+                  "average): " + ("; ".join(up) if up else "nowhere") + ".", "",
+                  f"![fraction of tokens whose energy went down]({png.name})", ""]
         return lines + self._precond_table(plan, L)
 
     def _precond_table(self, plan: dict[str, int], L: int) -> list[str]:

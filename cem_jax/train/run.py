@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from tqdm.contrib.logging import logging_redirect_tqdm
+from tqdm import tqdm
 
 from cem_jax.config import NOT_IN_MATH
 from cem_jax.data import (
@@ -178,8 +178,7 @@ def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
             loop = make_loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer,
                              mesh, first, closing)
             try:
-                with logging_redirect_tqdm([logging.getLogger("cem_jax")]):
-                    state, step, stopped = loop.run()
+                state, step, stopped = loop.run()
             except TrainingDiverged as err:
                 checkpointer.wait()
                 raise TrainingDiverged(
@@ -335,14 +334,24 @@ def _lead_or_warning(record: logging.LogRecord) -> bool:
         or jax.process_index() == 0
 
 
+class _StdoutHandler(logging.Handler):
+    """Each record a line on stdout, through `tqdm.write` (a progress bar on the terminal is
+    cleared and drawn again below it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stdout)
+        except Exception:  # logging's contract: report the failure, never raise
+            self.handleError(record)
+
+
 def log_to_stdout() -> None:
     """Print the "cem_jax" loggers' messages on stdout (`cem-train`'s output; see the module
     docstring). Idempotent: a second call replaces the handler of the first."""
     root = logging.getLogger("cem_jax")
-    for handler in [h for h in root.handlers if getattr(h, "cem_train", False)]:
+    for handler in [h for h in root.handlers if isinstance(h, _StdoutHandler)]:
         root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stdout)
-    handler.cem_train = True
+    handler = _StdoutHandler()
     handler.setFormatter(_ProcessFormatter("%(message)s"))
     handler.addFilter(_lead_or_warning)
     root.addHandler(handler)

@@ -3,10 +3,8 @@ Mosaic or Triton call), and the loss and gradients equal one device's. Runs this
 subprocess with 8 forced host devices (the kernel interpreted, as on every CPU)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+
+from train_helpers import run_on_8_host_devices
 
 # (data, fsdp, tensor): key heads G=2 split over tensor=2; with tensor=4 they do not divide,
 # so the kernel takes whole heads on every tensor device (query heads follow their key heads)
@@ -14,12 +12,7 @@ MESHES = {"data=2,fsdp=2,tensor=2": (2, 2, 2), "fsdp=2,tensor=4": (1, 2, 4)}
 
 
 def test_pallas_loss_and_gradients_on_8_devices_equal_one_device():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, __file__], capture_output=True, text=True,
-                            env=env, timeout=600, cwd=Path(__file__).resolve().parents[2])
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_on_8_host_devices(__file__)
     assert report["devices"] == 8
     assert report["one"]["shard_maps"] == 0  # one device: the kernel is called directly
     for name in MESHES:

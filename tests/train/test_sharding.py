@@ -2,23 +2,17 @@
 restores onto another. Runs this file as a subprocess with 8 forced host devices."""
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import types
 from pathlib import Path
+
+from train_helpers import run_on_8_host_devices
 
 MESHES = {"data=8": (8, 1, 1), "fsdp=8": (1, 8, 1), "data=2,fsdp=2,tensor=2": (2, 2, 2)}
 
 
 def test_sharded_steps_and_cross_mesh_restore_match_one_device():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, __file__], capture_output=True, text=True,
-                            env=env, timeout=600, cwd=Path(__file__).resolve().parents[2])
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_on_8_host_devices(__file__)
     assert report["devices"] == 8
     for name in MESHES:
         assert report[name]["loss"] <= 1e-5, (name, report[name])

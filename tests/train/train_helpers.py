@@ -26,3 +26,14 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     steps = [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
     assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def run_on_8_host_devices(script: str) -> dict:
+    """Run test file `script` as a subprocess with 8 forced host CPU devices and return the JSON
+    report its `__main__` prints last (XLA's device count is fixed when jax is imported)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True,
+                            env=env, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
