@@ -116,10 +116,11 @@ def evaluate_run(run: Run, text: str | None = None, corpus: str = "validation",
     """`evaluate` of a loaded run (`cem_jax.rundir.Run`) on a corpus spec `text` (a file, glob
     or `FORMAT:PATH` as `DataConfig.corpus` takes), or on the run's split `corpus`
     ("validation" or "milton") when `text` is None, on the local devices; adds "tokens" and
-    "bytes" of the text. `allow_invalid_utf8` reads invalid UTF-8 bytes as U+FFFD (as the
-    run's data.allow_invalid_utf8 does). `steps`: run every sub-layer for this many CEM steps
-    instead of the trained `model.steps` (test-time recursion: the steps of a sub-layer share
-    its weights, DESIGN.md §1, so the same parameters serve any count).
+    "bytes" of the text; `progress`: a bar on a terminal. `allow_invalid_utf8` reads invalid
+    UTF-8 bytes as U+FFFD (as the run's data.allow_invalid_utf8 does). `steps`: run every
+    sub-layer for this many CEM steps instead of the trained `model.steps` (test-time
+    recursion: the steps of a sub-layer share its weights, DESIGN.md §1, so the same
+    parameters serve any count).
 
     Raises ValueError (unknown split, no validation split, empty or undecodable text, steps
     < 1), FileNotFoundError (missing files), `cem_jax.data.FetchError` (built-in corpus
@@ -136,7 +137,8 @@ def evaluate_run(run: Run, text: str | None = None, corpus: str = "validation",
         raise ValueError(f"{run.directory} was trained on {data.corpus!r} without a validation "
                          "split: evaluate a text instead (cem-eval --text FILE)")
     result = evaluate(run.params, model_cfg, data, run.tokenizer, local_mesh(), split=corpus,
-                      progress=f"evaluating {text or corpus}" if progress else None)
+                      progress=f"evaluating {text or corpus}"
+                      if progress and sys.stderr.isatty() else None)
     stats = load_tokens(data, run.tokenizer, corpus).stats
     return {**result, "tokens": stats.tokens, "bytes": stats.bytes}
 

@@ -66,13 +66,12 @@ class CEMTransformer(nnx.Module):
         at position p reads the p slots before its own, `cem_jax.kvcache`), so segment_ids must
         be None; attention over the cache is the closed form whatever `impl` is (the
         block-causal core and the Pallas kernel serve whole sequences). Energies are not
-        computed against a cache: `return_energies` with a cache raises ValueError.
+        computed against a cache: `return_energies` with a cache raises ValueError, and so do
+        more tokens than the cache's free slots (where the length is concrete, outside jit).
         """
         cfg = self.cfg
-        if cache is not None and (segment_ids is not None or return_energies):
-            raise ValueError("with a decode cache, positions mark the documents (segment_ids "
-                             "must be None) and energies are not computed (return_energies "
-                             "must be False): run the whole sequence without a cache instead")
+        if cache is not None:
+            _check_cache(cache, tokens.shape[1], segment_ids, return_energies)
         # Under a mesh the residual stream [B,T,D] is pinned to "batch" after the embedding and
         # after every block, and so are the logits [B,T,V] (V split like the head's "vocab"):
         # weights sharded over "fsdp" get gathered, while each device computes its own rows.
@@ -112,6 +111,25 @@ class CEMTransformer(nnx.Module):
         if cache is not None:
             return logits, Cache(layers, cache.length + tokens.shape[1])
         return (logits, energies) if return_energies else logits
+
+
+def _check_cache(cache: Cache, new: int, segment_ids, return_energies: bool) -> None:
+    """Raise ValueError for a forward a cache cannot serve: segment ids or energies asked for,
+    or more tokens than its slots hold (checked where the filled length is known: outside jit;
+    under jit, size the cache for every token, as `cem_jax.sample.generate` does)."""
+    if segment_ids is not None or return_energies:
+        raise ValueError("with a decode cache, positions mark the documents (segment_ids "
+                         "must be None) and energies are not computed (return_energies must "
+                         "be False): run the whole sequence without a cache instead")
+    slots = cache.layers.key.shape[-2]
+    try:
+        filled = int(jnp.max(cache.length))
+    except jax.errors.ConcretizationTypeError:  # traced: the caller sized the cache
+        filled = 0
+    if filled + new > slots:
+        raise ValueError(f"the decode cache holds {slots} slots per row and {filled} are "
+                         f"filled: {new} more tokens do not fit; make it with init_cache(cfg, "
+                         f"batch, slots) large enough for the whole sequence")
 
 
 def count_params(model: nnx.Module) -> dict[str, int]:

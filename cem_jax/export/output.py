@@ -39,12 +39,12 @@ def check_destination(out: str | Path, overwrite: bool, source: str | Path | Non
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty: choose another --out or "
-                                  f"pass --overwrite to replace it")
         if not (out / MARKER).is_file():
             raise FileExistsError(f"{out} is not empty and was not written by cem-export or "
-                                  f"cem-import: refusing to replace it; choose another --out")
+                                  f"cem-import, so it is never replaced: choose another --out")
+        if not overwrite:
+            raise FileExistsError(f"{out} holds an earlier cem-export or cem-import output: "
+                                  f"choose another --out or pass --overwrite to replace it")
     return out
 
 

@@ -264,11 +264,12 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
         raise ValueError(f"--target {target.name} has {target.chips} chips: {err}") from None
     counts = _describe_model(cfg, echo, (
         f"cem-train --dry-run --target {target.name}: lowering one train step for "
-        f"{target.chips} x {kind} from this host (lowered, not compiled: there is no compiler "
-        f"for the target here; nothing is allocated, read or written)"))
+        f"{target.chips} x {kind} ({target.name}) from this host (lowered, not compiled: "
+        f"there is no compiler for the target here; nothing is allocated, read or written)"))
     mesh = AbstractMesh(sizes, MESH_AXES, abstract_device=target.device)
     trainer, state, batch = _abstract_step(
-        cfg, mesh, echo, f"{target.chips} {kind} chips, {cores} core{'s' * (cores > 1)} each")
+        cfg, mesh, echo, f"{target.chips} chips of {target.name} (device kind {kind!r}), "
+        f"{cores} core{'s' * (cores > 1)} each")
     start = time.perf_counter()
     lowered = trainer.train_step.trace(state, batch).lower(
         lowering_platforms=(LOWERING_PLATFORM[platform],))

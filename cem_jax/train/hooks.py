@@ -38,9 +38,9 @@ class Progress:
 
     def __init__(self, first_step: int, last_step: int, tokens_per_step: int, show: bool):
         self.tokens_per_step = tokens_per_step
+        self.shown = show and jax.process_index() == 0 and sys.stderr.isatty()
         self.bar = tqdm(total=last_step, initial=first_step, unit="step", dynamic_ncols=True,
-                        mininterval=1.0, disable=not (show and jax.process_index() == 0
-                                                      and sys.stderr.isatty()))
+                        mininterval=1.0, disable=not self.shown)
         self.start: float | None = None
         self.steps = 0
 
@@ -69,7 +69,8 @@ class Progress:
 
 class LogMetrics:
     """A "train" record of the step's metrics (a metrics hook): loss, grad_norm, param_norm,
-    the learning rate it used, and tokens/s and MFU over the steps since the previous record."""
+    the learning rate it used, and tokens/s and MFU over the steps since the previous record;
+    also a log line when no progress bar shows them (a log file, `run.progress=false`)."""
 
     def __init__(self, writer: MetricsWriter, progress: Progress, lr: optax.Schedule,
                  flops_per_token: float, peak_flops: float):
@@ -81,14 +82,18 @@ class LogMetrics:
         speed = {} if math.isnan(tokens_per_s) else {
             "tokens_per_s": tokens_per_s, "mfu": self.flops_per_token * tokens_per_s /
             self.peak_flops}
-        self.writer.write(info.step, "train", {**info.host_metrics(),
-                                               "lr": float(self.lr(info.step - 1)), **speed})
+        metrics = info.host_metrics()
+        self.writer.write(info.step, "train", {**metrics, "lr": float(self.lr(info.step - 1)),
+                                               **speed})
+        if not self.progress.shown:
+            rate = f", {tokens_per_s:,.0f} tokens/s, MFU {speed['mfu']:.1%}" if speed else ""
+            logger.info("step %d: loss %.4f%s", info.step, metrics["loss"], rate)
         self.progress.reset(info)
 
 
 class Validate:
-    """Validation of the step's parameters (a state hook), logged as an "eval" record; none at
-    the last step (the run evaluates after its loop)."""
+    """Validation of the step's parameters (a state hook, which first finishes its step),
+    logged as an "eval" record; none at the last step (the run evaluates after its loop)."""
 
     def __init__(self, validate: Callable[[dict], dict[str, float]], writer: MetricsWriter):
         self.validate, self.writer = validate, writer
@@ -96,6 +101,7 @@ class Validate:
     def __call__(self, info: StepInfo) -> None:
         if info.last:
             return
+        info.finish()
         result = self.validate(info.state["params"])
         self.writer.write(info.step, "eval", result)
         logger.info("step %d: validation %s", info.step, describe(result))

@@ -11,12 +11,13 @@ dispatching step N the loop finishes step N-1 (MaxText's `metric_logger` writes 
 for the same reason): it reads that step's metrics, which the device has computed or is about
 to while step N runs, raises `TrainingDiverged` if they are not all finite, and calls the
 "metrics" hooks due at N-1. Then it calls the "state" hooks due at step N with step N's state:
-checkpoints, evaluations and samples need the step's values and wait for it, every so many
-steps; before the next dispatch, since the train step donates the state. A state hook that
-needs step N's own metrics first (a checkpoint saves only a finite state, with every step it
-covers logged) calls `StepInfo.finish()`, which does for step N now what the loop would do
-after the next dispatch. A hook ends the run after this step with `StepInfo.request_stop()`
-(later hooks of the step then see `info.last`).
+checkpoints and evaluations need the step's values, every so many steps; before the next
+dispatch, since the train step donates the state. A state hook that reads step N's values
+first calls `StepInfo.finish()`, which does for step N now what the loop would do after the
+next dispatch: a checkpoint saves only a finite state, with every step it covers logged, and
+the wait for the device counts as training time (`StepInfo.train_clock` stops while state
+hooks run, except inside `finish`). A hook ends the run after this step with
+`StepInfo.request_stop()` (later hooks of the step then see `info.last`).
 """
 
 from __future__ import annotations
@@ -63,16 +64,28 @@ class StepInfo:
 
     def finish(self) -> dict[str, float]:
         """Check this step's metrics and run its "metrics" hooks now (once; the loop then skips
-        them); returns the host metrics. Raises TrainingDiverged if they are not finite."""
+        them); returns the host metrics. Raises TrainingDiverged if they are not finite. Called
+        from a "state" hook, the time it takes (mostly the wait for the device) is training
+        time on `train_clock`."""
         if not self._finished:
             self._finished = True
-            self._loop._finish(self)
+            loop = self._loop
+            paused = loop.paused_at is not None
+            if paused:
+                loop.resume_clock()
+            try:
+                loop._finish(self)
+            finally:
+                if paused:
+                    loop.pause_clock()
         return self.host_metrics()
 
     def train_clock(self) -> float:
         """Seconds of the loop's wall time outside "state" hooks (a clock for speed meters:
-        the time of checkpoints and evaluations is not training)."""
-        return time.perf_counter() - self._loop.hook_seconds
+        the time of checkpoints and evaluations is not training; a hook's `finish` is)."""
+        loop = self._loop
+        now = time.perf_counter() if loop.paused_at is None else loop.paused_at
+        return now - loop.paused_seconds
 
     def request_stop(self) -> None:
         """End the run after this step: the remaining hooks of the step see `last`."""
@@ -105,7 +118,8 @@ class TrainLoop:
         self.step_fn, self.state, self.batches = step_fn, state, batches
         self.step, self.last_step = first_step, last_step
         self.hooks: list[Hook] = []
-        self.stopped, self.hook_seconds = False, 0.0
+        self.stopped = False
+        self.paused_seconds, self.paused_at = 0.0, None  # the train clock (StepInfo.train_clock)
 
     def add_hook(self, fn: Callable[[StepInfo], None], every: int = 1, *,
                  reads: Literal["metrics", "state"] = "metrics", at_last: bool = False) -> None:
@@ -127,15 +141,24 @@ class TrainLoop:
                 pending.finish()
             for hook in self.hooks:
                 if hook.reads == "state" and hook.due(info):
-                    start = time.perf_counter()
-                    hook.fn(info)
-                    self.hook_seconds += time.perf_counter() - start
+                    self.pause_clock()
+                    try:
+                        hook.fn(info)
+                    finally:
+                        self.resume_clock()
             info.state, pending = None, info  # donated to the next step
             if info.last:
                 break
         if pending is not None:
             pending.finish()
         return self.state, self.step, self.stopped
+
+    def pause_clock(self) -> None:
+        self.paused_at = time.perf_counter()
+
+    def resume_clock(self) -> None:
+        self.paused_seconds += time.perf_counter() - self.paused_at
+        self.paused_at = None
 
     def _finish(self, info: StepInfo) -> None:
         metrics = info.host_metrics()

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from tqdm import tqdm
 
 from cem_jax.config import NOT_IN_MATH
@@ -56,6 +57,7 @@ from cem_jax.train.loop import TrainingDiverged, TrainLoop
 from cem_jax.train.metrics import MetricsWriter, flops_per_token, logged_values, peak_flops
 from cem_jax.train.optim import learning_rate
 from cem_jax.train.step import Trainer
+from cem_jax.updates import attention_impl
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.mesh.distributed:
         jax.distributed.initialize(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
                                    cfg.mesh.process_id)
+    m = cfg.model  # an impl this platform cannot run fails before anything is written
+    attention_impl(m.impl, jnp.dtype(m.dtype), m.head_width, tied=m.tie_attention)
     lead = jax.process_index() == 0
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -131,7 +135,14 @@ def _run_dir_lock(run_dir: Path, lead: bool) -> Iterator[None]:
     if not lead:
         yield
         return
-    with open(run_dir / ".lock", "a+") as f:
+    try:
+        f = open(run_dir / ".lock", "a+")  # held open while training
+    except OSError:  # a read-only run dir (a finished run shown again): nothing to guard
+        f = None
+    if f is None:
+        yield
+        return
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -153,8 +164,9 @@ def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
         checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
         closing.callback(checkpointer.close)
         resume_step = checkpointer.latest_step()
+        finished = _finished_result(cfg, run_dir, resume_step)
         if resume_step is not None:
-            _check_resumed_config(cfg, run_dir, resume_step)
+            _check_resumed_config(cfg, run_dir, resume_step, report=finished is None)
         tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
         if cfg.data.has_validation:  # a bad validation corpus fails now, not after training
             load_tokens(cfg.data, tokenizer, "validation")
@@ -168,42 +180,52 @@ def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
                 raise CheckpointError(f"{run_dir / 'tokenizer.model'} is not the tokenizer the "
                                       f"checkpoint was trained with")
             logger.info("resumed %s from step %d", run_dir, resume_step)
-        if lead:  # once the checkpoint is known good: a refused resume changes nothing
+        if lead and finished is None:  # once the checkpoint is known good, and to be trained
             save_config(cfg, run_dir / "config.yaml")
-        finished = _finished_result(cfg, run_dir, resume_step)
-        writer = MetricsWriter(run_dir, resume_step or 0)
-        closing.callback(writer.close)
         first = resume_step or 0
-        if finished is None:
-            loop = make_loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer,
-                             mesh, first, closing)
-            try:
-                state, step, stopped = loop.run()
-            except TrainingDiverged as err:
-                checkpointer.wait()
-                raise TrainingDiverged(
-                    f"{err}. Nothing was saved after it: the latest good checkpoint is step "
-                    f"{checkpointer.latest_step()} in {checkpointer.directory}. Lower "
-                    f"optimizer.lr or raise optimizer.warmup_steps, then resume.") from None
-            checkpointer.wait()
-        else:  # started again after its end: report what it logged, log nothing twice
-            step, stopped = first, False
-            logger.info("%s has taken its %d steps already; nothing to train", run_dir, step)
-        summary = {"step": step, "stopped_early": stopped, "eval": {}, "sample": ""}
-        if stopped:
-            logger.info("stopped by a signal at step %d; checkpoint saved in %s", step,
-                        checkpointer.directory)
-            return summary
-        if cfg.data.has_validation:
-            if finished is None:
-                summary["eval"] = _validate(cfg, trainer, state["params"], tokenizer, mesh)
-                writer.write(step, "eval", summary["eval"])
-            else:
-                summary["eval"] = finished
-            logger.info("validation after %d steps: %s", step, describe(summary["eval"]))
+        if finished is not None:  # started again after its end: report, write nothing
+            logger.info("%s has taken its %d steps already; nothing to train", run_dir, first)
+            if cfg.data.has_validation:
+                logger.info("validation after %d steps: %s", first, describe(finished))
+            summary = {"step": first, "stopped_early": False, "eval": finished, "sample": ""}
+        else:
+            summary = _train_steps(cfg, trainer, state, iterator, tokenizer, checkpointer,
+                                   mesh, first, closing)
+            state = summary.pop("state")
+            if summary["stopped_early"]:
+                return summary
     if cfg.run.sample_tokens:
         summary["sample"] = _sample(cfg, state["params"], tokenizer, mesh)
         logger.info("sample:\n%s%s", cfg.run.sample_prompt, summary["sample"])
+    return summary
+
+
+def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
+                 tokenizer: Tokenizer, checkpointer: Checkpointer, mesh: jax.sharding.Mesh,
+                 first: int, closing: contextlib.ExitStack) -> dict[str, Any]:
+    """Steps `first`+1 … `run.steps` and the final validation; returns the summary of `train`
+    with the final "state" (a signal stops it early, without the validation)."""
+    writer = MetricsWriter(Path(cfg.run.dir), first)
+    closing.callback(writer.close)
+    loop = make_loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer, mesh,
+                     first, closing)
+    try:
+        state, step, stopped = loop.run()
+    except TrainingDiverged as err:
+        checkpointer.wait()
+        raise TrainingDiverged(
+            f"{err}. Nothing was saved after it: the latest good checkpoint is step "
+            f"{checkpointer.latest_step()} in {checkpointer.directory}. Lower optimizer.lr or "
+            f"raise optimizer.warmup_steps, then resume.") from None
+    checkpointer.wait()
+    summary = {"step": step, "stopped_early": stopped, "eval": {}, "sample": "", "state": state}
+    if stopped:
+        logger.info("stopped by a signal at step %d; checkpoint saved in %s", step,
+                    checkpointer.directory)
+    elif cfg.data.has_validation:
+        summary["eval"] = _validate(cfg, trainer, state["params"], tokenizer, mesh)
+        writer.write(step, "eval", summary["eval"])
+        logger.info("validation after %d steps: %s", step, describe(summary["eval"]))
     return summary
 
 
@@ -264,14 +286,15 @@ def _sample(cfg: TrainConfig, params: dict, tokenizer: Tokenizer,
     return tokenizer.decode(out.tokens[0, :out.lengths[0]])
 
 
-def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int) -> None:
+def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
+                          report: bool = True) -> None:
     """A resumed run keeps the model and data config of its config.yaml (model fields that only
     choose how the same function is computed aside, `cem_jax.config.NOT_IN_MATH`, and data
     fields outside the token stream, `NOT_IN_TOKEN_STREAM`), and run.steps is at least the
-    resume step (ValueError otherwise). A change of any `optimizer` field or of `run.steps` is
-    allowed (to train longer, say; the optimizer state does not depend on them,
-    `cem_jax.train.optim`), and reported: it applies, learning-rate schedule included, from the
-    resume step on."""
+    resume step (ValueError otherwise). A change of any `optimizer` field, of `run.steps` (to
+    train longer, say; the optimizer state does not depend on them, `cem_jax.train.optim`) or
+    of the `NOT_IN_MATH` model fields is allowed, and reported when `report` (a run with steps
+    left to train): it applies, learning-rate schedule included, from the resume step on."""
     if cfg.run.steps < resume_step:
         raise ValueError(f"run.steps = {cfg.run.steps} but the run in {run_dir} has taken "
                          f"{resume_step} steps already; give run.steps >= {resume_step}, or "
@@ -288,9 +311,10 @@ def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int) -> 
         if changed := diff(section, keys):
             raise ValueError(f"{run_dir} holds a run with a different {section} config "
                              f"(saved, given): {changed}; use another run.dir")
-    if changed := {**diff("optimizer"), **diff("run", ["steps"])}:
-        logger.warning("resuming with a changed optimizer or schedule (saved, given): %s; the "
-                       "new settings and learning rate apply from the resume step on", changed)
+    changed = {**diff("optimizer"), **diff("run", ["steps"]), **diff("model", NOT_IN_MATH)}
+    if changed and report:
+        logger.warning("resuming with changed settings (saved, given): %s; they apply, the "
+                       "learning-rate schedule included, from the resume step on", changed)
 
 
 def _finished_result(cfg: TrainConfig, run_dir: Path,

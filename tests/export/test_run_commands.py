@@ -209,7 +209,7 @@ def test_cem_import_cli_writes_a_loadable_baseline_run(make_run, tmp_path, capsy
     np.testing.assert_array_equal(run.model()(ids), model_from_params(cfg.model, params)(ids))
     assert cli.import_main(["--hf", str(tmp_path / "llama"), "--out",
                             str(tmp_path / "imported")]) == 1
-    assert "not empty" in capsys.readouterr().err
+    assert "holds an earlier cem-export or cem-import output" in capsys.readouterr().err
 
 
 def test_cem_import_keeps_the_llama_architecture(make_run, tmp_path, capsys):

@@ -79,8 +79,8 @@ def test_output_directory_is_never_half_written_nor_silently_replaced(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        export_safetensors(params, CFG, b"x", out)
+    with pytest.raises(FileExistsError, match="never replaced: choose another --out$"):
+        export_safetensors(params, CFG, b"x", out)  # no hint of --overwrite, which would refuse
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     with pytest.raises(RuntimeError, match="boom"), staged_dir(tmp_path / "new") as stage:
         (stage / "config.json").write_text("{}")
@@ -90,6 +90,8 @@ def test_output_directory_is_never_half_written_nor_silently_replaced(tmp_path):
         export_safetensors(params, CFG, b"x", out, overwrite=True)  # a folder we did not write
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     ours = export_safetensors(params, CFG, b"x", tmp_path / "ours")
+    with pytest.raises(FileExistsError, match="holds an earlier .* output.*pass --overwrite"):
+        export_safetensors(params, CFG, b"x", ours)
     (ours / "config.json").write_text("stale")
     export_safetensors(params, CFG, b"x", ours, overwrite=True)
     assert sorted(p.name for p in ours.iterdir()) == [MARKER, "config.json", "model.safetensors",

@@ -130,3 +130,17 @@ def test_an_eos_starts_a_new_document(name):
     np.testing.assert_allclose(generated.logits[0, k + 1], fresh, atol=1e-5, rtol=0)
     without = generate(params, cfg, [[3, 9, 1, 2]], greedy, keep_logits=True)
     assert np.abs(without.logits[0, k + 1] - fresh).max() > 1e-2  # the old context mattered
+
+
+def test_a_forward_past_the_cache_slots_is_a_clear_error():
+    cfg = tiny_config()
+    model = model_from_params(cfg, random_params(cfg))
+    tokens = jnp.ones((1, 5), jnp.int32)
+    with pytest.raises(ValueError, match="holds 4 slots per row and 0 are filled: 5 more"):
+        model(tokens, cache=init_cache(cfg, 1, 4))
+    _, cache = model(tokens[:, :3], cache=init_cache(cfg, 1, 4))
+    _, cache = model(tokens[:, :1], cache=cache)  # the fourth slot
+    with pytest.raises(ValueError, match="4 are filled: 1 more tokens do not fit"):
+        model(tokens[:, :1], cache=cache)
+    with pytest.raises(ValueError, match="segment_ids must be None"):
+        model(tokens[:, :1], segment_ids=tokens[:, :1], cache=init_cache(cfg, 1, 4))

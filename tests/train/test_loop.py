@@ -1,34 +1,39 @@
 """The step loop (`cem_jax.train.loop.TrainLoop`) with stub steps that record the order of
 events: the host never reads the step it has just dispatched, hooks run when due, a non-finite
-step stops the run before any later save."""
+step stops the run before any later save, the speed meter's clock leaves out hook time."""
 
 from __future__ import annotations
 
 import math
+import types
 
+import numpy as np
 import pytest
 
+from cem_jax.train import loop as loop_module
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
 
 
 class Probe:
-    """A metric whose read (`float`) is recorded in the event log."""
+    """A metric whose read (`float`) is recorded in the event log and runs `on_read` (a wait
+    for the device)."""
 
-    def __init__(self, log: list, step: int, value: float):
-        self.log, self.step, self.value = log, step, value
+    def __init__(self, log: list, step: int, value: float, on_read=lambda: None):
+        self.log, self.step, self.value, self.on_read = log, step, value, on_read
 
     def __float__(self) -> float:
         self.log.append(("read", self.step))
+        self.on_read()
         return self.value
 
 
 def make_loop(log: list, last_step: int = 6, losses: dict | None = None,
-              first_step: int = 0) -> TrainLoop:
+              first_step: int = 0, on_read=lambda: None) -> TrainLoop:
     def step_fn(state, batch):
         step = state + 1
         log.append(("dispatch", step))
         loss = (losses or {}).get(step, 1.0 / step)
-        return step, {"loss": Probe(log, step, loss)}
+        return step, {"loss": Probe(log, step, loss, on_read)}
 
     return TrainLoop(step_fn, first_step, iter(range(100)), first_step=first_step,
                      last_step=last_step)
@@ -93,6 +98,35 @@ def test_a_hook_stops_the_run_and_later_hooks_see_the_last_step():
     assert (state, step, stopped) == (5, 5, True)
     assert [e[1] for e in log if e[0] == "save"] == [4, 5]
     assert ("dispatch", 6) not in log and ("dispatch", 3) in log
+
+
+def test_the_train_clock_counts_the_wait_for_the_device_and_not_the_hooks(monkeypatch):
+    """Each step costs 1 s of device wait (at its read); validation at step 2 and checkpoints at
+    steps 3 and 6 cost 10 s each after finishing their step. Every one-step speed window (the
+    metrics hook's clock differences) is the 1 s of its own step: none is left empty by a
+    hook's wait, none includes a hook."""
+    now = [0.0]
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def wait(seconds: float) -> None:
+        now[0] += seconds
+
+    log: list = []
+    loop = make_loop(log, on_read=lambda: wait(1.0))
+    clocks = []
+    loop.add_hook(lambda info: clocks.append((info.step, info.train_clock())))
+
+    def hook(info):
+        info.finish()
+        wait(10.0)
+
+    loop.add_hook(hook, every=2, reads="state")
+    loop.add_hook(hook, every=3, reads="state", at_last=True)
+    loop.run()
+    assert [step for step, _ in clocks] == [1, 2, 3, 4, 5, 6]
+    times = [clock for _, clock in clocks]
+    assert list(np.diff(times)) == [1.0] * 5
+    assert now[0] == 6 * 1.0 + 4 * 10.0 + 10.0  # steps 2, 3, 4, 6 and 6 again
 
 
 def test_hook_every_must_be_positive():

@@ -1,5 +1,7 @@
 """Two processes on localhost (`jax.distributed`, gloo CPU collectives, one device each) train
-with the same losses as one process holding the whole batch."""
+with the same losses as one process holding the whole batch, with the parameters split across
+them (fsdp: the end-of-training sample decodes from split parameters too), and stop together
+on a preemption notice."""
 
 import re
 import subprocess
@@ -19,12 +21,13 @@ def test_two_processes_match_one(tiny_overrides, tmp_path):
     procs = [subprocess.Popen(
         [sys.executable, "-m", "cem_jax.train", *common, f"run.dir={tmp_path / 'two'}",
          "mesh.distributed=true", f"mesh.coordinator_address=localhost:{port}",
-         "mesh.num_processes=2", f"mesh.process_id={i}"],
+         "mesh.num_processes=2", f"mesh.process_id={i}", "mesh.data=1", "mesh.fsdp=2"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
-    assert "'data': 2" in outputs[0]  # one mesh over both processes' devices
+    assert "'fsdp': 2" in outputs[0]  # one mesh over both processes' devices
+    assert "sample:" in outputs[0]
     assert "validation after" in outputs[0] and "validation after" not in outputs[1]
     assert sorted((tmp_path / "two" / "checkpoints" / "6" / "data").glob("*.json")) == [
         tmp_path / "two" / "checkpoints" / "6" / "data" / f"process_{i}-of-2.json"

@@ -182,8 +182,10 @@ def test_a_finished_run_started_again_reports_its_result_and_writes_nothing(
     assert last["kind"] == "eval" and last["step"] == STEPS
     log_to_stdout()  # what cem-train prints
     summary = train(load_config(None, [*tiny_overrides, f"run.dir={straight}",
-                                       f"run.steps={STEPS}", "run.checkpoint_every=4"]))
+                                       f"run.steps={STEPS}", "run.checkpoint_every=4",
+                                       "optimizer.lr=0.5"]))  # nothing runs with it
     out = capsys.readouterr().out
+    assert "changed settings" not in out  # and config.yaml keeps what ran (files below)
     assert summary["step"] == STEPS and not summary["stopped_early"]
     assert summary["eval"] == {k: last[k] for k in ("loss", "perplexity", "bits_per_byte_est")}
     assert f"validation after {STEPS} steps: loss {last['loss']:.4f} nats/token" in out

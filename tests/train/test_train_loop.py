@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from train_helpers import run_cli
 
 from cem_jax.config import ModelConfig
 from cem_jax.data import load_tokenizer, make_train_iterator
@@ -195,9 +196,10 @@ def test_resume_refuses_a_changed_model_or_token_stream_and_reports_a_changed_op
                  "optimizer.weight_decay=0", "data.prefetch=1", "data.num_threads=2",
                  "model.impl=auto", "model.attention_block=8", "model.remat=full"]) == 0
     out = capsys.readouterr().out
-    assert ("changed optimizer or schedule (saved, given): {'optimizer.lr': (0.01, 0.005), "
+    assert ("resuming with changed settings (saved, given): {'optimizer.lr': (0.01, 0.005), "
             "'optimizer.weight_decay': (0.1, 0.0), 'optimizer.clip_norm': (1.0, 0.0), "
-            "'run.steps': (3, 5)}") in out
+            "'run.steps': (3, 5), 'model.impl': ('xla', 'auto'), "
+            "'model.attention_block': (16, 8), 'model.remat': ('none', 'full')}") in out
     assert "resumed" in out and max(json.loads(line)["step"] for line in
                                     (tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
 
@@ -244,3 +246,23 @@ def test_a_run_dir_in_use_or_not_a_directory_is_refused(tiny_overrides, tmp_path
     assert main([*args, f"run.dir={tmp_path / 'file' / 'run'}"]) == 1
     assert "Not a directory" in capsys.readouterr().err
     assert main([*args, f"run.dir={run_dir}"]) == 0  # the lock was released
+
+
+def test_an_impl_this_platform_cannot_run_fails_before_anything_is_written(
+        tiny_overrides, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main([*tiny_overrides, f"run.dir={run_dir}", "model.impl=cudnn",
+                 "model.dtype=bfloat16"]) == 1
+    assert "impl='cudnn' runs cuDNN's flash attention, which needs a GPU" in \
+        capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_a_log_file_gets_a_line_per_logged_step(tiny_overrides, tmp_path):
+    """No progress bar off a terminal, so the loss of every logged step is printed."""
+    result = run_cli([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=4", "run.log_every=2",
+                      "run.sample_tokens=0"])
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 2", "step 4"]
+    assert "tokens/s, MFU" in lines[1] and "\r" not in result.stdout + result.stderr
