@@ -75,7 +75,10 @@ class CEMTransformer(nnx.Module):
         # Under a mesh the residual stream [B,T,D] is pinned to "batch" after the embedding and
         # after every block, and so are the logits [B,T,V] (V split like the head's "vocab"):
         # weights sharded over "fsdp" get gathered, while each device computes its own rows.
-        x = constrain(self.embed[...].astype(cfg.dtype)[tokens], "batch", "length", None)
+        # The table is gathered before the lookup (its D over "fsdp" would otherwise make XLA
+        # gather every row's activations when "fsdp" and "tensor" are both > 1).
+        table = constrain(self.embed[...].astype(cfg.dtype), "vocab", None)
+        x = constrain(table[tokens], "batch", "length", None)
 
         def apply(block, x, layer_cache):
             if layer_cache is not None:

@@ -2,6 +2,7 @@
 restores onto another. Runs this file as a subprocess with 8 forced host devices."""
 
 import json
+import re
 import tempfile
 import types
 from pathlib import Path
@@ -20,6 +21,9 @@ def test_sharded_steps_and_cross_mesh_restore_match_one_device():
     assert report["data=8"]["embed_shard"] == [320, 32]  # [V, D]: replicated
     assert report["fsdp=8"]["embed_shard"] == [320, 4]  # D over fsdp
     assert report["data=2,fsdp=2,tensor=2"]["embed_shard"] == [160, 16]  # V over tensor
+    # Each device computes its own rows: no all-gather makes a whole-batch activation (the
+    # embedding lookup did, from the table's D over fsdp, when fsdp and tensor were both 2).
+    assert report["data=2,fsdp=2,tensor=2"]["batch_gathers"] == []
     assert report["restore 8->1"]["params"] == 0.0
     assert report["restore 8->1"]["next_loss"] <= 1e-5
 
@@ -64,6 +68,10 @@ def _run() -> dict:
         report[name] = {"loss": abs(loss - ref_loss), "params": max_diff(state["params"], ref),
                         "embed_shard": list(state["params"]["embed"].addressable_shards[0]
                                             .data.shape)}
+        if (d, f, t) == (2, 2, 2):
+            hlo = trainer.train_step.lower(state, global_batch(host, mesh)).compile().as_text()
+            report[name]["batch_gathers"] = re.findall(  # [B, T, ...] of the global B = 16
+                r"= (f32\[16,16,\d+\])\S* all-gather\(", hlo)
     with tempfile.TemporaryDirectory() as run_dir:  # save on 2x2x2, restore on 1 device
         import grain
         data = iter(grain.MapDataset.range(8).to_iter_dataset())
