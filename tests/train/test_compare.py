@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from cem_jax.compare import budget_steps, main, paired_interval
+from cem_jax.compare import budget_steps, main
+from cem_jax.compare_report import paired_interval
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run
 from cem_jax.model import CEMTransformer, count_params
 from cem_jax.rundir import load_run
