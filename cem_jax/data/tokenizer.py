@@ -127,9 +127,18 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
     """
     model = io.BytesIO()
     spm.set_random_generator_seed(0)
+    reading_error: list[Exception] = []  # the text's own error, not sentencepiece's wrapping
+
+    def sentences() -> Iterator[str]:
+        try:
+            yield from _paragraphs(texts)
+        except Exception as err:
+            reading_error.append(err)
+            raise
+
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_paragraphs(texts), model_writer=model, model_type="bpe",
+            sentence_iterator=sentences(), model_writer=model, model_type="bpe",
             vocab_size=vocab_size, byte_fallback=True, character_coverage=CHARACTER_COVERAGE,
             pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
             normalization_rule_name="identity", add_dummy_prefix=False,
@@ -138,6 +147,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
             input_sentence_size=MAX_TRAINING_CHUNKS, shuffle_input_sentence=True,
             num_threads=os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as err:
+        if reading_error:
+            raise reading_error[0] from None
         raise ValueError(f"sentencepiece could not train a {vocab_size}-piece BPE model on "
                          f"this text: {err} (a small corpus holds too few distinct pieces: "
                          f"lower data.vocab_size and model.vocab_size together, or give a "

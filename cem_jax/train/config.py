@@ -85,7 +85,11 @@ class MeshConfig:
         sizes = (self.data, self.fsdp, self.tensor)
         for name, size in zip(("data", "fsdp", "tensor"), sizes, strict=True):
             require(size == -1 or size >= 1, name, size, "a positive integer or -1")
-        require(sizes.count(-1) <= 1, "data", sizes, "at most one axis of -1")
+        free = [name for name, size in zip(("data", "fsdp", "tensor"), sizes, strict=True)
+                if size == -1]
+        if len(free) > 1:
+            require(False, free[1], -1, f"a positive integer, since {free[0]} is -1 already "
+                    "(one axis takes the devices the others leave)")
 
 
 @dataclasses.dataclass(frozen=True)

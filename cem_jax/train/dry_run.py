@@ -21,8 +21,9 @@ platform and device kind, so the Pallas kernels lower for it (Mosaic `tpu_custom
 calls on a GPU). It lowers only (no compiler for the target here) and prints the per-device
 bytes of the parameters and the optimizer state (exact: from their shardings), the parameters'
 shardings, the custom calls of the lowered module (and whether each sits in a `shard_map`,
-which XLA needs to partition a kernel), and activation memory as an analytic estimate. A real
-device still has to compile it (Mosaic's own checks, VMEM limits), time it and measure memory.
+which XLA needs to partition a kernel), activation memory as an analytic estimate, and the sum
+of these against the chip's memory (its vendor sheet's). A real device still has to compile it
+(Mosaic's own checks, VMEM limits), time it and measure memory.
 
 `check_expected_params` is also what `cem-train` runs first when a config states
 `expected_params`.
@@ -53,6 +54,7 @@ from cem_jax.sharding import (
 from cem_jax.train.config import TrainConfig
 from cem_jax.train.metrics import flops_per_token
 from cem_jax.train.step import TRAIN_KEYS, Trainer
+from cem_jax.updates import attention_impl
 
 GIB = 2**30
 MIB = 2**20
@@ -63,33 +65,37 @@ class Family(NamedTuple):
     """A kind of accelerator a `--target` names: `device_kind` and `platform` as its JAX
     devices report them, `cores` per chip (TensorCores; a GPU's streaming multiprocessors), and
     whether the name's number counts cores (Cloud TPU v4 and v5p: `v5p-32` is 16 chips) or
-    chips (every other name). One JAX device per chip (v4 and v5p in megacore mode)."""
+    chips (every other name). One JAX device per chip (v4 and v5p in megacore mode).
+    `memory_gb`: the chip's HBM as its vendor sheet states it (GB)."""
 
     device_kind: str
     platform: str
     cores: int
     name_counts_cores: bool
+    memory_gb: float
 
 
 # `--target {family}-{N}`: Cloud TPU's accelerator types with a "tpu-" prefix, GPUs by model.
 TARGETS = {
-    "tpu-v4": Family("TPU v4", "tpu", 2, True),
-    "tpu-v5p": Family("TPU v5", "tpu", 2, True),
-    "tpu-v5litepod": Family("TPU v5 lite", "tpu", 1, False),
-    "tpu-v6e": Family("TPU v6 lite", "tpu", 1, False),
-    "gpu-h100": Family("NVIDIA H100 80GB HBM3", "gpu", 132, False),
-    "gpu-h200": Family("NVIDIA H200", "gpu", 132, False),
+    "tpu-v4": Family("TPU v4", "tpu", 2, True, 32),
+    "tpu-v5p": Family("TPU v5", "tpu", 2, True, 95),
+    "tpu-v5litepod": Family("TPU v5 lite", "tpu", 1, False, 16),
+    "tpu-v6e": Family("TPU v6 lite", "tpu", 1, False, 32),
+    "gpu-h100": Family("NVIDIA H100 80GB HBM3", "gpu", 132, False, 80),
+    "gpu-h200": Family("NVIDIA H200", "gpu", 132, False, 141),
 }
 # The platform name `lower(lowering_platforms=...)` takes for a device platform.
 LOWERING_PLATFORM = {"tpu": "tpu", "gpu": "cuda"}
 
 
 class Target(NamedTuple):
-    """A parsed `--target`: its name, chips (JAX devices) and the abstract device of each."""
+    """A parsed `--target`: its name, chips (JAX devices), the abstract device of each and its
+    memory (GB, vendor sheet)."""
 
     name: str
     chips: int
     device: AbstractDevice
+    memory_gb: float
 
 
 def parse_target(name: str) -> Target:
@@ -109,7 +115,7 @@ def parse_target(name: str) -> Target:
                          f"positive multiple of {per_chip}")
     return Target(name, count // per_chip,
                   AbstractDevice(device_kind=family.device_kind, num_cores=family.cores,
-                                 platform=family.platform))
+                                 platform=family.platform), family.memory_gb)
 
 
 def param_counts(model_cfg: ModelConfig) -> dict[str, int]:
@@ -253,8 +259,10 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
     "batch_rows", "tokens_per_step", "lower_s", "bytes_per_device": {"params", "opt_state"}
     (exact, from the shardings), "shardings": {parameter path (layers as *): PartitionSpec},
     "custom_calls": `custom_calls` of the lowered module, "activations_estimate": bytes per
-    device (`activation_estimate`, analytic)}. Raises ValueError (as `dry_run`; the message
-    names the target when its chip count does not fit the mesh section).
+    device (`activation_estimate`, analytic), "memory_share_estimate": parameters, gradients,
+    optimizer state and activations over the chip's memory}. Raises ValueError (as `dry_run`;
+    the message names the target when its chip count does not fit the mesh section; cuDNN
+    attention, which traces only beside a GPU, off one).
     """
     kind, platform, cores = target.device.device_kind, target.device.platform, \
         target.device.num_cores
@@ -267,6 +275,14 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
         f"{target.chips} x {kind} ({target.name}) from this host (lowered, not compiled: "
         f"there is no compiler for the target here; nothing is allocated, read or written)"))
     mesh = AbstractMesh(sizes, MESH_AXES, abstract_device=target.device)
+    m = cfg.model
+    with jax.sharding.use_abstract_mesh(mesh):
+        core = attention_impl(m.impl, jnp.dtype(m.dtype), m.head_width, tied=m.tie_attention)
+    if core == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError(f"--target {target.name}: model.impl={m.impl!r} runs cuDNN's flash "
+                         f"attention there, which JAX traces only where a GPU and cuDNN are; "
+                         f"lower on a GPU host, or check the rest of the step here with "
+                         f"model.impl=pallas or xla")
     trainer, state, batch = _abstract_step(
         cfg, mesh, echo, f"{target.chips} chips of {target.name} (device kind {kind!r}), "
         f"{cores} core{'s' * (cores > 1)} each")
@@ -310,11 +326,20 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
          f"{act['logits'] / GIB:.2f} GiB; one block's recomputed intermediates come on top, "
          f"and the real peak is the target compiler's (fusion, buffer assignment), which only "
          f"a compile on the target gives")
+    need = 2 * state_bytes["params"] + state_bytes["opt_state"] + act["total"]
+    share = need / (target.memory_gb * 1e9)
+    verdict = (" (fits, by this estimate)" if share <= 0.9 else
+               " (TIGHT: the compiler's real peak may not fit)" if share <= 1 else
+               " (does NOT fit: raise mesh.fsdp, lower data.batch_size, raise "
+               "optimizer.accumulation_steps or set model.remat=full)")
+    echo(f"memory per device, ESTIMATE: parameters, their gradients, optimizer state and "
+         f"activations {need / 1e9:.1f} GB of the chip's {target.memory_gb:g} GB "
+         f"(vendor sheet), {share:.0%}{verdict}")
     return {"target": target, "params": counts, "mesh": dict(mesh.shape),
             "devices": target.chips, "batch_rows": cfg.data.batch_size,
             "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len, "lower_s": lower_s,
             "bytes_per_device": state_bytes, "shardings": shardings, "custom_calls": calls,
-            "activations_estimate": act["total"]}
+            "activations_estimate": act["total"], "memory_share_estimate": share}
 
 
 def _bytes_per_device(tree) -> int:

@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
@@ -69,12 +68,12 @@ class Progress:
 
 class LogMetrics:
     """A "train" record of the step's metrics (a metrics hook): loss, grad_norm, param_norm,
-    the learning rate it used, and tokens/s and MFU over the steps since the previous record;
+    the learning rate it used (lr), and tokens/s and MFU over the steps since the previous record;
     also a log line when no progress bar shows them (a log file, `run.progress=false`)."""
 
-    def __init__(self, writer: MetricsWriter, progress: Progress, lr: optax.Schedule,
-                 flops_per_token: float, peak_flops: float):
-        self.writer, self.progress, self.lr = writer, progress, lr
+    def __init__(self, writer: MetricsWriter, progress: Progress, flops_per_token: float,
+                 peak_flops: float):
+        self.writer, self.progress = writer, progress
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
 
     def __call__(self, info: StepInfo) -> None:
@@ -83,8 +82,7 @@ class LogMetrics:
             "tokens_per_s": tokens_per_s, "mfu": self.flops_per_token * tokens_per_s /
             self.peak_flops}
         metrics = info.host_metrics()
-        self.writer.write(info.step, "train", {**metrics, "lr": float(self.lr(info.step - 1)),
-                                               **speed})
+        self.writer.write(info.step, "train", {**metrics, **speed})
         if not self.progress.shown:
             rate = f", {tokens_per_s:,.0f} tokens/s, MFU {speed['mfu']:.1%}" if speed else ""
             logger.info("step %d: loss %.4f%s", info.step, metrics["loss"], rate)

@@ -55,7 +55,6 @@ from cem_jax.train.config import TrainConfig, load_config, save_config
 from cem_jax.train.dry_run import check_batch_split, check_expected_params, dry_run
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
 from cem_jax.train.metrics import MetricsWriter, flops_per_token, logged_values, peak_flops
-from cem_jax.train.optim import learning_rate
 from cem_jax.train.step import Trainer
 from cem_jax.updates import attention_impl
 
@@ -100,6 +99,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ValueError) as err:
         print(f"cem-train: error: {err}", file=sys.stderr)
         return 1
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        print(f"cem-train: error: the step needs more memory than the device has "
+              f"({str(err).splitlines()[0]}); lower data.batch_size or data.seq_len, raise "
+              f"optimizer.accumulation_steps or set model.remat=full (`cem-train --dry-run` "
+              f"estimates the activations). Checkpoints already written are kept.",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -122,7 +130,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run.dir {run_dir} is a file, not a directory; give another run.dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(f"cannot create run.dir {run_dir} ({err.strerror}: {err.filename}); give "
+                      f"a run.dir in a writable place") from None
     with _run_dir_lock(run_dir, lead):
         return _train(cfg, run_dir, lead)
 
@@ -165,6 +177,10 @@ def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
         closing.callback(checkpointer.close)
         resume_step = checkpointer.latest_step()
         finished = _finished_result(cfg, run_dir, resume_step)
+        if lead and finished is None and not os.access(run_dir, os.W_OK):
+            raise PermissionError(f"cannot write in run.dir {run_dir} (read-only or not yours); "
+                                  f"copy it to a writable place and train there, or give "
+                                  f"another run.dir")
         if resume_step is not None:
             _check_resumed_config(cfg, run_dir, resume_step, report=finished is None)
         tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
@@ -213,10 +229,13 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
         state, step, stopped = loop.run()
     except TrainingDiverged as err:
         checkpointer.wait()
+        good = checkpointer.latest_step()
+        saved = (f"the latest good checkpoint is step {good} in {checkpointer.directory}"
+                 if good is not None else f"no checkpoint was written yet in {cfg.run.dir}")
         raise TrainingDiverged(
-            f"{err}. Nothing was saved after it: the latest good checkpoint is step "
-            f"{checkpointer.latest_step()} in {checkpointer.directory}. Lower optimizer.lr or "
-            f"raise optimizer.warmup_steps, then resume.") from None
+            f"{err}. Nothing was saved after it: {saved}. Lower optimizer.lr or raise "
+            f"optimizer.warmup_steps, then {'resume' if good is not None else 'start again'}."
+        ) from None
     checkpointer.wait()
     summary = {"step": step, "stopped_early": stopped, "eval": {}, "sample": "", "state": state}
     if stopped:
@@ -248,8 +267,8 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
                               run.progress)
     closing.callback(progress.close)
     loop.add_hook(progress)
-    loop.add_hook(hooks.LogMetrics(writer, progress, learning_rate(cfg.optimizer, run.steps),
-                                   flops, peak), run.log_every, at_last=True)
+    loop.add_hook(hooks.LogMetrics(writer, progress, flops, peak), run.log_every,
+                  at_last=True)
     if run.debug_signal_step is not None:
         loop.add_hook(hooks.DebugSignal(run.debug_signal_step, run.debug_signal),
                       run.debug_signal_step, reads="state")

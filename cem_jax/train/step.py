@@ -32,7 +32,7 @@ from cem_jax.evaluate import batch_logits, make_eval_step
 from cem_jax.model import CEMTransformer, abstract_params
 from cem_jax.sharding import BATCH_AXES, batch_sharding, param_shardings, replicated
 from cem_jax.train.config import OptimizerConfig
-from cem_jax.train.optim import make_optimizer
+from cem_jax.train.optim import learning_rate, make_optimizer
 
 Batch = dict[str, jax.Array]
 TRAIN_KEYS = ("inputs", "targets", "segment_ids", "positions")
@@ -41,8 +41,8 @@ TRAIN_KEYS = ("inputs", "targets", "segment_ids", "positions")
 class Trainer:
     """Compiled, sharded train and eval steps of one model and optimizer on one mesh.
 
-    Attributes: optimizer (optax), state_shardings (pytree of `NamedSharding` like the train
-    state), mesh.
+    Attributes: optimizer (optax), learning_rate (its schedule), state_shardings (pytree of
+    `NamedSharding` like the train state), mesh.
     debug_nan_step: the step (1-based) whose loss and gradients are replaced by NaN (tests).
     """
 
@@ -51,6 +51,7 @@ class Trainer:
         self.model_cfg, self.mesh, self.debug_nan_step = model_cfg, mesh, debug_nan_step
         self.accumulation = opt_cfg.accumulation_steps
         self.optimizer = make_optimizer(opt_cfg, total_steps)
+        self.learning_rate = learning_rate(opt_cfg, total_steps)
         params, specs = abstract_params(model_cfg)
         p_shard = param_shardings(params, specs, mesh)
         opt_shapes = jax.eval_shape(self.optimizer.init, params)
@@ -110,6 +111,9 @@ class Trainer:
         new_params = optax.apply_updates(params, updates)
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
         # The updated parameters' norm: a step whose loss and gradients are finite can still
-        # overflow them (a huge learning rate), and the loop saves nothing non-finite.
+        # overflow them (a huge learning rate), and the loop saves nothing non-finite. The
+        # learning rate comes with the metrics: computed on the host's side it would be one more
+        # device computation, queued behind the step in flight.
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                           "param_norm": optax.tree.norm(new_params)}
+                           "param_norm": optax.tree.norm(new_params),
+                           "lr": self.learning_rate(state["step"])}

@@ -64,6 +64,16 @@ def test_vocab_larger_than_the_text_allows_is_a_clear_error():
         train_tokenizer(["tiny text, few merges"], 5000)
 
 
+def test_an_error_reading_the_text_is_raised_as_itself():
+    """Not wrapped in sentencepiece's error, nor blamed on the vocabulary size."""
+    def texts():
+        yield "some text " * 100
+        raise ValueError("corpus.jsonl:2: expected a JSON object with a string \"text\" field")
+
+    with pytest.raises(ValueError, match=r"^corpus.jsonl:2: expected a JSON object"):
+        train_tokenizer(texts(), 300)
+
+
 def test_vocab_disagreeing_with_the_config_is_rejected(small_tokenizer_path):
     with pytest.raises(ValueError, match=f"has vocab_size {SMALL_VOCAB}, but the config expects "
                                          "vocab_size 2048"):

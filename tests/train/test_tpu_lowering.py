@@ -55,6 +55,20 @@ def test_100m_pallas_step_lowers_for_a_16_chip_tpu_with_fsdp():
     # Adam's mu and nu like the parameters, plus a few replicated step counters
     assert 2 * param_bytes <= report["bytes_per_device"]["opt_state"] < 2 * param_bytes + 64
     assert any(line.startswith("activations per device, ESTIMATE") for line in lines)
+    # parameters, their gradients, Adam's state and the activations, of a v5p chip's 95 GB
+    need = 2 * param_bytes + report["bytes_per_device"]["opt_state"] + \
+        report["activations_estimate"]
+    assert report["memory_share_estimate"] == pytest.approx(need / 95e9)
+    assert any(line.startswith("memory per device, ESTIMATE") and "(fits, by this estimate)"
+               in line for line in lines)
+
+
+def test_a_step_too_big_for_the_chip_is_flagged():
+    """tpu-v5litepod-8: 16 GB chips, 64 of the 512 rows each, whose fp32 logits and their
+    gradient alone take 2 x 64 x 1024 x 32768 x 4 bytes = 16 GiB."""
+    report, lines = _lower("tpu-v5litepod-8", [])
+    assert report["memory_share_estimate"] > 1
+    assert any("does NOT fit: raise mesh.fsdp" in line for line in lines)
 
 
 def test_100m_pallas_step_lowers_for_a_gpu_host():
@@ -90,6 +104,9 @@ def test_target_names_give_chips_and_device(name, chips, kind, platform):
     (["--target", "tpu-v6e-16", "mesh.data=-1", "mesh.fsdp=3"],
      "--target tpu-v6e-16 has 16 chips: mesh {'data': -1, 'fsdp': 3, 'tensor': 1}: 16 devices "
      "are not divisible by the fixed axes' product 3"),
+    # cuDNN's attention traces only beside a GPU; auto picks it for a bf16 model on a GPU
+    (["--target", "gpu-h200-8", "model.impl=auto"], "--target gpu-h200-8: model.impl='auto' "
+     "runs cuDNN's flash attention there, which JAX traces only where a GPU and cuDNN are"),
 ])
 def test_a_bad_target_is_named(args, message, capsys):
     assert main(["--config", str(FULL), "--dry-run", *args]) == 1

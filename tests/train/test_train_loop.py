@@ -4,6 +4,7 @@ big batch, the optimizer's decay mask, config errors and the FLOP formula."""
 import fcntl
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -18,7 +19,7 @@ from cem_jax.train import load_config, main, metrics, train
 from cem_jax.train.checkpoint import Checkpointer
 from cem_jax.train.config import MeshConfig, OptimizerConfig
 from cem_jax.train.metrics import flops_per_token
-from cem_jax.train.optim import decay_mask
+from cem_jax.train.optim import decay_mask, learning_rate
 from cem_jax.train.step import Trainer
 
 
@@ -27,7 +28,8 @@ def test_nan_stops_the_run_and_keeps_the_good_checkpoint(tiny_overrides, tmp_pat
                    "run.checkpoint_every=3", "run.debug_nan_step=8"])
     err = capsys.readouterr().err
     assert status == 1
-    assert "non-finite training metrics at step 8" in err and "step 6" in err
+    assert "non-finite training metrics at step 8" in err
+    assert "the latest good checkpoint is step 6" in err and "then resume" in err
     checkpointer = Checkpointer(tmp_path, keep=3)
     assert checkpointer.latest_step() == 6
     cfg = load_config(None, [*tiny_overrides, f"run.dir={tmp_path}"])
@@ -91,6 +93,8 @@ def test_no_weight_decay_on_norms_diagonals_and_preconditioners():
     (["model.init_std=.nan"], "'model.init_std' = nan"),
     (["run.peak_flops=0"], "'run.peak_flops' = 0.0"), (["data.seq_len=1"], "'data.seq_len'"),
     (["model.tie_attention=false", "model.interaction=dplr"], "'model.interaction'"),
+    (["mesh.data=-1", "mesh.fsdp=-1"], "'mesh.fsdp' = -1 is invalid: it must be a positive "
+     "integer, since data is -1 already"),
 ])
 def test_bad_config_is_named(overrides, field, capsys):
     assert main(["--config", "configs/shakespeare_cem.yaml", *overrides]) == 2
@@ -159,6 +163,7 @@ def test_overflowing_parameters_stop_the_run_before_they_are_saved(tiny_override
     err = capsys.readouterr().err
     assert status == 1
     assert "at step 1" in err and "norm of the updated parameters inf" in err
+    assert f"no checkpoint was written yet in {tmp_path}" in err and "start again" in err
     checkpointer = Checkpointer(tmp_path, keep=3)
     assert checkpointer.latest_step() is None
     checkpointer.close()
@@ -200,8 +205,16 @@ def test_resume_refuses_a_changed_model_or_token_stream_and_reports_a_changed_op
             "'optimizer.weight_decay': (0.1, 0.0), 'optimizer.clip_norm': (1.0, 0.0), "
             "'run.steps': (3, 5), 'model.impl': ('xla', 'auto'), "
             "'model.attention_block': (16, 8), 'model.remat': ('none', 'full')}") in out
-    assert "resumed" in out and max(json.loads(line)["step"] for line in
-                                    (tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "resumed" in out and max(r["step"] for r in records) == 5
+    # The logged learning rate is the one each step used: the first schedule (3 steps, lr 1e-2)
+    # up to the resume, the new one (5 steps, lr 5e-3) after it.
+    before = learning_rate(load_config(None, args).optimizer, 3)
+    after = learning_rate(OptimizerConfig(lr=5e-3, warmup_steps=3), 5)
+    expected = {s: float((before if s <= 3 else after)(s - 1)) for s in range(1, 6)}
+    assert {r["step"]: r["lr"] for r in records if r["kind"] == "train"} == \
+        pytest.approx(expected, rel=1e-6)
+    assert expected[3] != expected[2] != expected[4]
 
 
 def test_bfloat16_compute_with_remat_trains(tiny_overrides, tmp_path):
@@ -246,6 +259,37 @@ def test_a_run_dir_in_use_or_not_a_directory_is_refused(tiny_overrides, tmp_path
     assert main([*args, f"run.dir={tmp_path / 'file' / 'run'}"]) == 1
     assert "Not a directory" in capsys.readouterr().err
     assert main([*args, f"run.dir={run_dir}"]) == 0  # the lock was released
+
+
+def test_out_of_device_memory_is_a_clear_error(tiny_overrides, tmp_path, monkeypatch, capsys):
+    def oom(self):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating "
+                                         "11338974384580 bytes.\nmore detail")
+
+    monkeypatch.setattr("cem_jax.train.run.TrainLoop.run", oom)
+    assert main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=2"]) == 1
+    err = capsys.readouterr().err
+    assert ("cem-train: error: the step needs more memory than the device has (RESOURCE_EXHAUSTED"
+            ": Out of memory allocating 11338974384580 bytes.); lower data.batch_size") in err
+    assert "Traceback" not in err
+
+
+def test_an_unwritable_run_dir_is_named_and_a_finished_one_still_reports(
+        tiny_overrides, tmp_path, monkeypatch, capsys):
+    args = [*tiny_overrides, f"run.dir={tmp_path}", "run.sample_tokens=0", "run.eval_batches=1"]
+    assert main([*args, "run.steps=2"]) == 0
+    config = (tmp_path / "config.yaml").read_text()
+    capsys.readouterr()
+    monkeypatch.setattr("os.access", lambda path, mode: Path(path) != tmp_path)  # read-only
+    assert main([*args, "run.steps=2"]) == 0  # finished: nothing to write
+    assert "validation after 2 steps" in capsys.readouterr().out
+    assert main([*args, "run.steps=3"]) == 1
+    assert f"cannot write in run.dir {tmp_path} (read-only or not yours)" in \
+        capsys.readouterr().err
+    assert (tmp_path / "config.yaml").read_text() == config
+    assert main([*args, "run.dir=/proc/no/run"]) == 1
+    assert "cannot create run.dir /proc/no/run (No such file or directory" in \
+        capsys.readouterr().err
 
 
 def test_an_impl_this_platform_cannot_run_fails_before_anything_is_written(
