@@ -141,7 +141,8 @@ class StopOnSignal:
     (`multihost_utils.reached_preemption_sync_point`: no collective per step; every host stops
     at the sync step it agrees on), when that service is enabled; SIGINT (and SIGTERM without
     the service) sets a flag that the processes agree on every `agree_every` steps (one small
-    all-gather then).
+    all-gather then, a device computation queued behind the step in flight, so those steps
+    wait for it).
     """
 
     def __init__(self, agree_every: int):
