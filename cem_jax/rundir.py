@@ -26,7 +26,12 @@ from flax import nnx
 
 from cem_jax.data import Tokenizer, load_tokenizer
 from cem_jax.model import CEMTransformer, model_from_params
-from cem_jax.train.checkpoint import Checkpointer, CheckpointError
+from cem_jax.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    drop_failed_restore_echoes,
+    restore_error,
+)
 from cem_jax.train.config import TrainConfig, load_config, save_config
 from cem_jax.train.optim import make_optimizer
 
@@ -121,14 +126,14 @@ def _restore_params(directory: Path, step: int, cfg: TrainConfig) -> tuple[dict,
     target = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract)}
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
+    drop_failed_restore_echoes()
     with _read_only_manager(directory) as manager:
         try:
             restored = manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(target, restore_args, partial_restore=True),
                 meta=ocp.args.JsonRestore()))
         except Exception as err:  # orbax raises many kinds; all mean "this step is unusable"
-            raise CheckpointError(f"cannot read checkpoint {directory / str(step)}: "
-                                  f"{type(err).__name__}: {err}") from err
+            raise restore_error(directory / str(step), err, "read") from err
     return jax.device_get(restored["state"]["params"]), restored["meta"]
 
 

@@ -14,6 +14,8 @@ structure (another cem_jax version's optimizer, say) is refused by name, not rea
 from __future__ import annotations
 
 import base64
+import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,40 @@ from cem_jax.data import Tokenizer
 
 class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be restored (corrupt, or from another config)."""
+
+
+def restore_error(path: Path, err: Exception, verb: str = "restore") -> CheckpointError:
+    """The CheckpointError for orbax's failure `err` to read checkpoint `path`: the cause's
+    first line (TensorStore appends its whole spec) and what to do."""
+    cause = (str(err).splitlines() or [""])[0].split(" See full TensorStore")[0][:300]
+    return CheckpointError(f"cannot {verb} checkpoint {path} ({type(err).__name__}: {cause})\n"
+                           f"If it is corrupt, delete that step directory (the next older step "
+                           f"is then used), or start a new run directory")
+
+
+class _FailedRestoreEchoes(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Task exception was never retrieved")
+
+
+def drop_failed_restore_echoes() -> None:
+    """Call before an orbax restore. A failed one leaves TensorStore callbacks into orbax's
+    closed event loop and task errors nobody retrieves, which Python prints as dozens of
+    tracebacks repeating the cause around our one-line CheckpointError: from then on this
+    process drops exactly those two kinds (every other unraisable error and asyncio record
+    still shows)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.drops_closed_loop = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_FailedRestoreEchoes())
 
 
 class Checkpointer:
@@ -57,18 +93,14 @@ class Checkpointer:
         `sharding`, from `Trainer.abstract_state`) and move `iterator` to its saved position.
         Returns (state, meta). Raises CheckpointError naming the directory when it fails, and
         naming the differing arrays when the checkpoint's state has another structure."""
+        drop_failed_restore_echoes()
         self._check_structure(step, abstract_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state),
                 data=grain.checkpoint.CheckpointRestore(iterator), meta=ocp.args.JsonRestore()))
         except Exception as err:  # orbax raises many kinds; all mean "this step is unusable"
-            # The first line is the cause; TensorStore appends its whole spec after it.
-            cause = (str(err).splitlines() or [""])[0].split(" See full TensorStore")[0][:300]
-            raise CheckpointError(
-                f"cannot restore checkpoint {self.directory / str(step)} "
-                f"({type(err).__name__}: {cause})\nIf it is corrupt, delete that step directory "
-                f"(the next older step is then used), or start a new run directory") from err
+            raise restore_error(self.directory / str(step), err) from err
         return restored["state"], restored["meta"]
 
     def _check_structure(self, step: int, abstract_state: dict) -> None:

@@ -3,7 +3,9 @@ big batch, the optimizer's decay mask, config errors and the FLOP formula."""
 
 import fcntl
 import json
+import logging
 import math
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +18,7 @@ from cem_jax.config import ModelConfig
 from cem_jax.data import load_tokenizer, make_train_iterator
 from cem_jax.sharding import global_batch, make_mesh
 from cem_jax.train import load_config, main, metrics, train
-from cem_jax.train.checkpoint import Checkpointer
+from cem_jax.train.checkpoint import Checkpointer, drop_failed_restore_echoes
 from cem_jax.train.config import MeshConfig, OptimizerConfig
 from cem_jax.train.metrics import flops_per_token
 from cem_jax.train.optim import decay_mask, learning_rate
@@ -169,16 +171,35 @@ def test_overflowing_parameters_stop_the_run_before_they_are_saved(tiny_override
     checkpointer.close()
 
 
-def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, capsys):
+@pytest.mark.parametrize("damage", ["garbage", "empty manifest"])
+def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, damage):
+    """In one message: without orbax's leftover callbacks into its closed event loop, which
+    Python printed as dozens of tracebacks around it."""
     args = [*tiny_overrides, f"run.dir={tmp_path}", "run.steps=3", "run.sample_tokens=0"]
     assert main(args) == 0
-    for path in (tmp_path / "checkpoints" / "3" / "state").rglob("*"):
+    state = tmp_path / "checkpoints" / "3" / "state"
+    for path in state.rglob("*") if damage == "garbage" else [state / "manifest.ocdbt"]:
         if path.is_file():
-            path.write_bytes(b"garbage")
-    capsys.readouterr()
-    assert main([*args[:-2], "run.steps=5"]) == 1
-    err = capsys.readouterr().err
-    assert "cannot restore checkpoint" in err and str(tmp_path / "checkpoints" / "3") in err
+            path.write_bytes(b"garbage" if damage == "garbage" else b"")
+    result = run_cli([*args[:-2], "run.steps=5"])
+    assert result.returncode == 1
+    assert f"cem-train: error: cannot restore checkpoint {state.parent} (" in result.stderr
+    assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr
+
+
+def test_only_the_echoes_of_a_failed_restore_are_dropped(monkeypatch, caplog):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(repr(u.exc_value)))
+    drop_failed_restore_echoes()
+    drop_failed_restore_echoes()  # installed once
+    for err in (RuntimeError("Event loop is closed"), RuntimeError("another"),
+                ValueError("Event loop is closed")):
+        sys.unraisablehook(SimpleNamespace(exc_value=err))
+    assert seen == ["RuntimeError('another')", "ValueError('Event loop is closed')"]
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        logging.getLogger("asyncio").error("Task exception was never retrieved\nfuture: ...")
+        logging.getLogger("asyncio").error("Unclosed client session")
+    assert [r.getMessage() for r in caplog.records] == ["Unclosed client session"]
 
 
 def test_resume_refuses_a_changed_model_or_token_stream_and_reports_a_changed_optimizer(
