@@ -60,7 +60,6 @@ def paired_interval(values: Mapping[int, float], base: Mapping[int, float],
     return Interval(mean, mean - half, mean + half, len(diffs))
 
 
-
 def param_counts(cfg: TrainConfig) -> dict[str, int]:
     """The config's parameter counts by part (every part of `PARTS`, 0 when absent)."""
     counts = abstract_param_counts(cfg.model)

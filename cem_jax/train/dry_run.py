@@ -328,10 +328,11 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
          f"a compile on the target gives")
     need = 2 * state_bytes["params"] + state_bytes["opt_state"] + act["total"]
     share = need / (target.memory_gb * 1e9)
+    remat = "" if cfg.model.remat == "full" else " or set model.remat=full"
     verdict = (" (fits, by this estimate)" if share <= 0.9 else
                " (TIGHT: the compiler's real peak may not fit)" if share <= 1 else
-               " (does NOT fit: raise mesh.fsdp, lower data.batch_size, raise "
-               "optimizer.accumulation_steps or set model.remat=full)")
+               f" (does NOT fit: raise mesh.fsdp, lower data.batch_size, raise "
+               f"optimizer.accumulation_steps{remat})")
     echo(f"memory per device, ESTIMATE: parameters, their gradients, optimizer state and "
          f"activations {need / 1e9:.1f} GB of the chip's {target.memory_gb:g} GB "
          f"(vendor sheet), {share:.0%}{verdict}")

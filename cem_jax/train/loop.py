@@ -44,7 +44,7 @@ class StepInfo:
 
     state: the train state after the step ("state" hooks; None for "metrics" hooks, since the
       next step has consumed it by then). metrics: the step's device scalars ("loss",
-      "grad_norm", "param_norm"). last: no step follows (the last step, or a stop was
+      "grad_norm", "param_norm", "lr"). last: no step follows (the last step, or a stop was
       requested).
     """
 
