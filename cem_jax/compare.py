@@ -61,6 +61,7 @@ from cem_jax.evaluate import bits_per_byte_of, evaluate_run, positive_int
 from cem_jax.monitor import descent_statistics, preconditioner_stats
 from cem_jax.rundir import Run, load_run
 from cem_jax.train.config import TrainConfig, load_config
+from cem_jax.train.metrics import logged_records, logged_values
 
 BUDGETS = ("steps", "flops")
 
@@ -280,11 +281,8 @@ def read_metrics(run_dir: Path, cfg: TrainConfig) -> dict:
     """From `metrics.jsonl`: the final validation {"loss", "perplexity", "bits_per_byte"}
     ("eval", empty if none), the validation curve ("curve": [(step, bits per byte)]) and the
     median tokens/s of the training log windows after the first tenth of the steps."""
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()] \
-        if path.is_file() else []
     by_kind = {"train": {}, "eval": {}}
-    for r in records:  # a step logged again after a resume keeps its last record
+    for r in logged_records(run_dir):  # a step logged again after a resume keeps its last
         by_kind[r["kind"]][r["step"]] = r
     evals = sorted(by_kind["eval"].items())
     speeds = [r["tokens_per_s"] for step, r in by_kind["train"].items()
@@ -297,11 +295,8 @@ def read_metrics(run_dir: Path, cfg: TrainConfig) -> dict:
 def _finished(run_dir: Path, cfg: TrainConfig) -> bool:
     """The metrics hold the final validation (written once the last step is done), or, for a
     run without a validation split, the last step's training record."""
-    path = run_dir / "metrics.jsonl"
     kind = "eval" if cfg.data.has_validation else "train"
-    return path.is_file() and any(
-        r["kind"] == kind and r["step"] == cfg.run.steps
-        for r in map(json.loads, path.read_text().splitlines()))
+    return logged_values(run_dir, cfg.run.steps, kind) is not None
 
 
 def _other_run(run_dir: Path, cfg: TrainConfig) -> str:

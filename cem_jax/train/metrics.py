@@ -22,6 +22,7 @@ tokens/s / peak FLOP/s of all devices.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable
@@ -169,18 +170,23 @@ class MetricsWriter:
                 self.events.close()
 
 
+def logged_records(run_dir: Path) -> list[dict]:
+    """The whole records of `run_dir/metrics.jsonl` in order ([] without the file; a kill can
+    tear the last line, which is left out)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = path.read_bytes().splitlines() if path.is_file() else []
+    return [json.loads(line) for line in lines if _logged_by(line, math.inf)]
+
+
 def logged_values(run_dir: Path, step: int, kind: str) -> dict[str, float] | None:
     """The values of the last whole `kind` ("train"/"eval") record of `step` in
     `run_dir/metrics.jsonl` (without "step", "kind", "time"), or None if it holds none."""
-    path = Path(run_dir) / "metrics.jsonl"
-    lines = path.read_bytes().splitlines() if path.is_file() else []
-    records = [json.loads(line) for line in lines if _logged_by(line, step)]
-    found = [r for r in records if r["step"] == step and r.get("kind") == kind]
+    found = [r for r in logged_records(run_dir) if r["step"] == step and r.get("kind") == kind]
     return {k: v for k, v in found[-1].items() if k not in ("step", "kind", "time")} \
         if found else None
 
 
-def _logged_by(line: bytes, step: int) -> bool:
+def _logged_by(line: bytes, step: float) -> bool:
     """Whether a metrics.jsonl line is a whole record of a step ≤ `step` (a kill can tear the
     last line)."""
     try:

@@ -113,6 +113,25 @@ def test_the_flops_budget_passes_each_run_its_steps(tiny_overrides, tmp_path, mo
     assert "## Equal training FLOPs" in text and "llama seed 1 (40 steps): cem-train exited" in text
 
 
+def test_a_run_killed_mid_write_is_a_failed_row(tiny_overrides, tmp_path, monkeypatch):
+    """A kill can tear the last line of metrics.jsonl: the row is failed, the report written."""
+    def killed_train(argv, **kwargs):
+        run_dir = Path(dict(a.split("=", 1) for a in argv[5:])["run.dir"])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 5.0}\n'
+                                               '{"step": 2, "ki')
+        return subprocess.CompletedProcess(argv, -9)
+
+    monkeypatch.setattr("cem_jax.compare.subprocess.run", killed_train)
+    (tmp_path / "llama.yaml").write_text("model:\n  tie_attention: false\n  tie_mlp: false\n")
+    argv = ["--configs", str(tmp_path / "llama.yaml"), "--steps", "4", "--seeds", "0",
+            "--out", str(tmp_path / "r.md"), "--runs-dir", str(tmp_path / "runs"),
+            "--ood", "none", *tiny_overrides]
+    assert main(argv) == 1
+    assert "llama seed 0 (4 steps): cem-train exited with status -9" in \
+        (tmp_path / "r.md").read_text()
+
+
 def test_compare_two_tiny_configs_with_two_seeds(tiny_overrides, tmp_path, capsys):
     configs = []
     for name, tied in (("tiny_llama", False), ("tiny_cem", True)):
