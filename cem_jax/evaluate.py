@@ -86,11 +86,21 @@ def evaluate(params: dict, model_cfg: ModelConfig, data_cfg: DataConfig, tokeniz
     loss_sum = weight_sum = 0.0
     with tqdm(total=stats.tokens if count == len(batches) else None, unit="tok", desc=progress,
               disable=progress is None, dynamic_ncols=True) as bar:
-        for i in range(count):
-            loss, weight = jax.device_get(eval_step(params, global_batch(batches[i], mesh)))
+        def add(sums):  # a batch's sums, read once the next batch is dispatched
+            nonlocal loss_sum, weight_sum
+            loss, weight = jax.device_get(sums)
             loss_sum, weight_sum = loss_sum + float(loss), weight_sum + float(weight)
             bar.update(int(weight))
             bar.set_postfix(loss=f"{loss_sum / max(weight_sum, 1):.4f}")
+
+        pending = None
+        for i in range(count):
+            sums = eval_step(params, global_batch(batches[i], mesh))
+            if pending is not None:
+                add(pending)
+            pending = sums
+        if pending is not None:
+            add(pending)
     loss = loss_sum / weight_sum
     bpb = "bits_per_byte" if count == len(batches) else "bits_per_byte_est"
     return {"loss": loss, "perplexity": math.exp(loss), bpb: stats.bits_per_byte(loss)}
