@@ -25,7 +25,7 @@ from cem_jax.export.hf_llama import from_llama
 from cem_jax.export.output import ExportError, staged_dir
 from cem_jax.export.safetensors_io import unflat_params
 from cem_jax.rundir import write_run
-from cem_jax.train.config import config_from_dict
+from cem_jax.train.config import SECTIONS, config_from_dict
 
 # The model fields set by the Llama's config.json (a config's own values of them are replaced).
 LLAMA_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -101,7 +101,7 @@ def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | 
         print(f"cem-import: note: model.{', model.'.join(ignored)} of {config_path} ignored: "
               f"the architecture comes from the Hugging Face config.json in {hf_dir}",
               file=sys.stderr)
-    values = apply_overrides(values, list(overrides))
+    values = apply_overrides(values, list(overrides), SECTIONS)
     with staged_dir(out, overwrite) as stage:
         final = Path(out).absolute()
         values["model"] = {**(values.get("model") or {}),

@@ -141,8 +141,8 @@ class StopOnSignal:
     (`multihost_utils.reached_preemption_sync_point`: no collective per step; every host stops
     at the sync step it agrees on), when that service is enabled; SIGINT (and SIGTERM without
     the service) sets a flag that the processes agree on every `agree_every` steps (one small
-    all-gather then, a device computation queued behind the step in flight, so those steps
-    wait for it).
+    all-gather then, a device computation queued behind the step in flight: those steps are
+    finished first, `StepInfo.finish`, so the wait counts as training time).
     """
 
     def __init__(self, agree_every: int):
@@ -159,16 +159,18 @@ class StopOnSignal:
         self.raised = True
 
     def __call__(self, info: StepInfo) -> None:
-        if self._stop(info.step):
+        if self._stop(info):
             info.request_stop()
 
-    def _stop(self, step: int) -> bool:
+    def _stop(self, info: StepInfo) -> bool:
         if not self.multihost:
             return self.raised
-        if self.preemption_service and multihost_utils.reached_preemption_sync_point(step):
+        if self.preemption_service and multihost_utils.reached_preemption_sync_point(info.step):
             return True
-        return step % self.agree_every == 0 and bool(
-            np.any(multihost_utils.process_allgather(np.int32(self.raised))))
+        if info.step % self.agree_every:
+            return False
+        info.finish()  # the all-gather waits for this step: that wait is training time
+        return bool(np.any(multihost_utils.process_allgather(np.int32(self.raised))))
 
     def restore(self) -> None:
         """Put back the signal handlers found at construction."""

@@ -47,12 +47,13 @@ from cem_jax.data import (
 from cem_jax.data.config import NOT_IN_TOKEN_STREAM
 from cem_jax.data.shakespeare import FetchError
 from cem_jax.evaluate import describe, evaluate
+from cem_jax.memory import is_out_of_memory
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
 from cem_jax.train import hooks
-from cem_jax.train.checkpoint import Checkpointer, CheckpointError
+from cem_jax.train.checkpoint import Checkpointer, CheckpointError, checkpoint_directory
 from cem_jax.train.config import TrainConfig, load_config, save_config
-from cem_jax.train.dry_run import check_batch_split, check_expected_params, dry_run
+from cem_jax.train.dry_run import check_expected_params, check_fits_in_memory, dry_run
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
 from cem_jax.train.metrics import MetricsWriter, flops_per_token, logged_values, peak_flops
 from cem_jax.train.step import Trainer
@@ -87,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_to_stdout()
     try:
         cfg = load_config(args.config, args.overrides)
+        check_config_location(args.config, args.overrides, cfg)
     except (ValueError, FileNotFoundError) as err:
         print(f"cem-train: configuration error: {err}", file=sys.stderr)
         return 2
@@ -100,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cem-train: error: {err}", file=sys.stderr)
         return 1
     except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
+        if not is_out_of_memory(err):
             raise
         print(f"cem-train: error: the step needs more memory than the device has "
               f"({str(err).splitlines()[0]}); lower data.batch_size or data.seq_len, raise "
@@ -111,14 +113,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def check_config_location(config: str | None, overrides: Sequence[str],
+                          cfg: TrainConfig) -> None:
+    """A config read from inside a run directory (a config.yaml beside that run's checkpoints,
+    tokenizer or metrics) trains that directory: ValueError when it names another run.dir (the
+    run was moved or copied) and no `run.dir=` override says which one is meant."""
+    if config is None or any(o.startswith("run.dir=") for o in overrides):
+        return
+    path = Path(config)
+    home = path.parent
+    if path.name != "config.yaml" or not any(
+            (home / name).exists() for name in ("checkpoints", "tokenizer.model", "metrics.jsonl")):
+        return
+    if Path(cfg.run.dir).resolve() != home.resolve():
+        raise ValueError(f"{path} is the config of the run directory {home}, but it names "
+                         f"run.dir {cfg.run.dir} (was the run moved or copied?): add "
+                         f"run.dir={home} to train the run in {home}, or run.dir={cfg.run.dir} "
+                         f"to train the one there")
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "stopped_early",
     "eval": `cem_jax.evaluate.evaluate`'s figures (empty without a validation split),
     "sample"}. Raises TrainingDiverged, CheckpointError, RunDirInUse (another cem-train holds
     the directory), ValueError (config/run dir mismatch, run.dir a file), FileNotFoundError (a
     resumed run dir without tokenizer.model), OSError (an unwritable run dir, a full disk);
-    ValueError also when `cfg.expected_params` is not the model's parameter count (checked
-    before anything is written)."""
+    ValueError also when `cfg.expected_params` is not the model's parameter count, when the
+    batch cannot be split over the mesh, and (`cem_jax.memory.DoesNotFit`) when a train step
+    cannot fit in the device's memory: all checked before anything is written."""
     if cfg.expected_params is not None:
         check_expected_params(cfg)
     if cfg.mesh.distributed:
@@ -127,7 +149,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     m = cfg.model  # an impl this platform cannot run fails before anything is written
     attention_impl(m.impl, jnp.dtype(m.dtype), m.head_width, tied=m.tie_attention)
     lead = jax.process_index() == 0
+    mesh = make_mesh(cfg.mesh)
+    check_fits_in_memory(cfg, mesh)  # as the next check, before anything is written
     run_dir = Path(cfg.run.dir)
+    checkpoint_directory(run_dir)  # a path orbax cannot restore from
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run.dir {run_dir} is a file, not a directory; give another run.dir")
     try:
@@ -136,7 +161,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise OSError(f"cannot create run.dir {run_dir} ({err.strerror}: {err.filename}); give "
                       f"a run.dir in a writable place") from None
     with _run_dir_lock(run_dir, lead):
-        return _train(cfg, run_dir, lead)
+        return _train(cfg, run_dir, mesh, lead)
 
 
 @contextlib.contextmanager
@@ -169,9 +194,8 @@ def _run_dir_lock(run_dir: Path, lead: bool) -> Iterator[None]:
         yield
 
 
-def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
-    mesh = make_mesh(cfg.mesh)
-    check_batch_split(cfg, mesh)
+def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
+           lead: bool) -> dict[str, Any]:
     with contextlib.ExitStack() as closing:  # closed on errors too
         checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
         closing.callback(checkpointer.close)
@@ -183,6 +207,11 @@ def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
                                   f"another run.dir")
         if resume_step is not None:
             _check_resumed_config(cfg, run_dir, resume_step, report=finished is None)
+        if finished is None and cfg.optimizer.warmup_steps > cfg.run.steps:
+            logger.warning("optimizer.warmup_steps = %d is more than run.steps = %d: the warmup "
+                           "is cut to %d steps, so the rate reaches optimizer.lr only at the "
+                           "last step and never decays; lower optimizer.warmup_steps",
+                           cfg.optimizer.warmup_steps, cfg.run.steps, cfg.run.steps)
         tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
         if cfg.data.has_validation:  # a bad validation corpus fails now, not after training
             load_tokens(cfg.data, tokenizer, "validation")
