@@ -23,6 +23,8 @@ from pathlib import Path
 from cem_jax.data import Tokenizer
 from cem_jax.export.output import file_in
 
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json")  # what `write_tokenizer` writes
+
 
 def write_tokenizer(directory: Path, tokenizer_model: bytes) -> dict[str, int]:
     """Write tokenizer.model and tokenizer_config.json into `directory`; returns the special
