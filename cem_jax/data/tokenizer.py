@@ -81,8 +81,9 @@ class Tokenizer:
         return out
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """Token ids → text. Special ids (pad, bos, eos, unk) decode to nothing."""
-        return self._sp.decode([int(i) for i in ids])
+        """Token ids → text. Special ids (pad, bos, eos, unk) decode to nothing (sentencepiece
+        alone writes unk as " ⁇ "; a model may sample it, though encoding never gives it)."""
+        return self._sp.decode([int(i) for i in ids if int(i) != self.unk_id])
 
     def id_to_piece(self, token_id: int) -> str:
         """The vocabulary entry of one id, e.g. "▁the" or "<0x0A>"."""

@@ -11,7 +11,9 @@ sections required); in a finished one, it reports the validation the run logged 
 evaluates and logs nothing. SIGTERM or SIGINT saves a checkpoint and exits (status 0); a
 non-finite loss, gradient or updated parameter stops the run (status 1) without saving, so the
 newest checkpoint stays good. One cem-train at a time holds a run directory (a lock file,
-`.lock`). At the end: validation loss, perplexity and bits per byte, and a generated sample.
+`.lock`); cem-export and cem-import never replace a directory while it is held, nor once a run
+trained there (a cem-import's run directory stops being an import output when it starts
+training). At the end: validation loss, perplexity and bits per byte, and a generated sample.
 
 The steps run in `cem_jax.train.loop.TrainLoop` with the hooks of `cem_jax.train.hooks`.
 Messages go through `logging` (the "cem_jax" loggers; `cem-train` prints them on stdout, from
@@ -47,6 +49,7 @@ from cem_jax.data import (
 from cem_jax.data.config import NOT_IN_TOKEN_STREAM
 from cem_jax.data.shakespeare import FetchError
 from cem_jax.evaluate import describe, evaluate
+from cem_jax.export.output import unmark_output
 from cem_jax.memory import is_out_of_memory
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
@@ -226,6 +229,7 @@ def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
                                       f"checkpoint was trained with")
             logger.info("resumed %s from step %d", run_dir, resume_step)
         if lead and finished is None:  # once the checkpoint is known good, and to be trained
+            unmark_output(run_dir)  # a cem-import's run becomes a run no --overwrite replaces
             save_config(cfg, run_dir / "config.yaml")
         first = resume_step or 0
         if finished is not None:  # started again after its end: report, write nothing

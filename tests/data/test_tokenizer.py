@@ -53,6 +53,15 @@ def test_round_trip_of_tricky_text(tokenizer, text):
     assert tokenizer.encode_batch([text, "x"]) == [tokenizer.encode(text), tokenizer.encode("x")]
 
 
+def test_special_ids_decode_to_nothing(tokenizer):
+    """pad, unk, bos and eos, as a model may sample them: no " ⁇ " for unk (sentencepiece's)."""
+    king, queen = tokenizer.encode("the king"), tokenizer.encode(" queen")
+    for special in (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+        assert tokenizer.decode([special]) == ""
+        assert tokenizer.decode([*king, special, *queen]) == "the king queen"
+    assert tokenizer.decode([UNK_ID, UNK_ID, *king]) == "the king"
+
+
 def test_training_is_deterministic(small_corpus, tmp_path):
     texts = [p.read_text() for p in sorted(small_corpus["train"].glob("*.txt"))]
     first = train_tokenizer(texts, 350, tmp_path / "a.model")
