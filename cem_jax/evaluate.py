@@ -80,7 +80,7 @@ def evaluate(params: dict, model_cfg: ModelConfig, data_cfg: DataConfig, tokeniz
     description to show a progress bar with. Every process calls it (batches are split
     across processes); each gets the same figures. Raises as `make_eval_batches`."""
     batches = make_eval_batches(data_cfg, tokenizer, split)
-    stats = load_tokens(data_cfg, tokenizer, split).stats  # verified once per process
+    stats = load_tokens(data_cfg, tokenizer, split).stats  # opened once per process
     count = len(batches) if max_batches is None else min(max_batches, len(batches))
     eval_step = eval_step or make_eval_step(model_cfg, mesh)
     loss_sum = weight_sum = 0.0
@@ -141,8 +141,9 @@ def evaluate_run(run: Run, text: str | None = None, corpus: str = "validation",
     data = run.config.data
     if allow_invalid_utf8:
         data = dataclasses.replace(data, allow_invalid_utf8=True)
-    if text is not None:
-        data, corpus = dataclasses.replace(data, val_corpus=text), "validation"
+    if text is not None:  # the whole text as the validation split
+        data = dataclasses.replace(data, val_corpus=text, val_fraction=0.0, val_tokens=None)
+        corpus = "validation"
     elif corpus == "validation" and not data.has_validation:
         raise ValueError(f"{run.directory} was trained on {data.corpus!r} without a validation "
                          "split: evaluate a text instead (cem-eval --text FILE)")

@@ -18,7 +18,6 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
@@ -141,7 +140,7 @@ def write_run(directory: str | Path, cfg: TrainConfig, params: dict, tokenizer: 
               step: int = 0) -> Path:
     """Write a run directory that `load_run` reads and `cem-train` resumes: config.yaml,
     tokenizer.model and checkpoint `step` holding `params` (a model's pure dict), a fresh
-    optimizer state and the data iterator at its start. Raises ValueError if `params` do not
+    optimizer state and the step. Raises ValueError if `params` do not
     fit `cfg.model`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -152,7 +151,6 @@ def write_run(directory: str | Path, cfg: TrainConfig, params: dict, tokenizer: 
     state = {"params": params, "opt_state": make_optimizer(cfg.optimizer, cfg.run.steps)
              .init(params), "step": jnp.asarray(step, jnp.int32)}
     checkpointer = Checkpointer(directory, keep=cfg.run.keep_checkpoints)
-    start = iter(grain.MapDataset.range(1).to_iter_dataset())  # iterator state {"next_index": 0}
-    checkpointer.save(step, state, start, cfg.to_dict(), tokenizer)
+    checkpointer.save(step, state, cfg.to_dict(), tokenizer)
     checkpointer.close()
     return directory

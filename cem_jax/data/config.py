@@ -9,24 +9,36 @@ from typing import Any
 from cem_jax.config import require
 
 MIN_VOCAB_SIZE = 261  # 4 special ids + 256 byte pieces + a character (sentencepiece's floor)
-# DataConfig fields that say where the data is cached or how fast it is read, not which tokens
-# a run sees (the archive is checked by its SHA-256): a resumed run may change them.
-NOT_IN_TOKEN_STREAM = ("num_threads", "prefetch", "cache_dir", "shakespeare_archive")
+# DataConfig fields that say where the data is cached, how fast it is read or how much of the
+# validation split is evaluated, not which tokens a run trains on (the archive is checked by its
+# SHA-256): a resumed run may change them.
+NOT_IN_TOKEN_STREAM = ("num_threads", "prefetch", "cache_dir", "shakespeare_archive",
+                       "val_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Which text to train on and how to batch it.
 
-    corpus: "shakespeare" (default: the training works of `cem_jax.data.shakespeare`), or user
-      text given as `[FORMAT:]PATH_OR_GLOB`. FORMAT is `text` (each file one document, UTF-8),
-      `jsonl` (one JSON object per line; its "text" string is one document) or `arrayrecord`
-      (each record the UTF-8 bytes of one document). Without a prefix the format follows the
-      extension: `.jsonl` → jsonl, `.array_record`/`.arrayrecord` → arrayrecord, else text.
-      A path naming an existing file is that file; otherwise globs are expanded (`**`
-      recursive) and sorted. A leading `~` is the home directory, in every path field.
-    val_corpus: the validation split, same syntax. None: the held-out works for "shakespeare";
-      a user corpus then has no validation split.
+    corpus: "shakespeare" (default: the training works of `cem_jax.data.shakespeare`); a
+      tokenized dataset folder (`cem-data tokenize --out DIR`: its manifest says what it
+      holds; no process tokenizes); or user text given as `[FORMAT:]PATH_OR_GLOB`, local or a
+      URL (`gs://bucket/fineweb/*.parquet`). FORMAT is `text` (each file one document,
+      UTF-8), `jsonl` (one JSON object per line, its `text_column` string one document),
+      `parquet` (one row per document, its `text_column` column) or `arrayrecord` (each
+      record the UTF-8 bytes of one document); text and JSONL may be `.gz` or `.zst`. Without
+      a prefix the format follows the file name (`cem_jax.data.formats.format_of`). A path
+      naming an existing file is that file; otherwise globs are expanded (`**` recursive)
+      and sorted. A leading `~` is the home directory, in every path field.
+    val_corpus: the validation split, same syntax. None: the held-out works for "shakespeare",
+      the documents held out of the corpus with `val_fraction`, else none (said at start).
+    val_fraction: the fraction of the corpus's documents held out as its validation split (by
+      a hash of each document's place: the same documents in every run), e.g. 0.01; 0: none.
+      A tokenized dataset holds out its own fraction: give the same one.
+    val_tokens: evaluate on the validation split's first whole documents up to this many
+      tokens (null: all of it); the same documents in every run of the config.
+    text_column: the field of a JSONL object, or the column of a Parquet file, holding a
+      document's text.
     tokenizer: path of a sentencepiece `tokenizer.model`; None trains a BPE tokenizer on the
       training split (cached in `cache_dir/tokenizers/`).
     vocab_size: V, must equal the tokenizer's vocabulary and the model's `vocab_size`.
@@ -42,6 +54,9 @@ class DataConfig:
 
     corpus: str = "shakespeare"
     val_corpus: str | None = None
+    val_fraction: float = 0.0
+    val_tokens: int | None = None
+    text_column: str = "text"
     tokenizer: str | None = None
     vocab_size: int = 2048
     seq_len: int = 256
@@ -61,9 +76,10 @@ class DataConfig:
 
     @property
     def has_validation(self) -> bool:
-        """Whether there is a validation split: the held-out works of the default corpus, or
-        `val_corpus`."""
-        return self.corpus == "shakespeare" or self.val_corpus is not None
+        """Whether there is a validation split: the held-out works of the default corpus,
+        `val_corpus`, or documents held out of the corpus (`val_fraction`)."""
+        return self.corpus == "shakespeare" or self.val_corpus is not None \
+            or self.val_fraction > 0
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first field that is out of range."""
@@ -86,6 +102,17 @@ class DataConfig:
                  "an integer in [0, 2**32)")
         require(isinstance(self.allow_invalid_utf8, bool), "allow_invalid_utf8",
                  self.allow_invalid_utf8, "true or false")
+        require(isinstance(self.val_fraction, int | float) and not isinstance(
+            self.val_fraction, bool) and 0 <= self.val_fraction < 0.5, "val_fraction",
+            self.val_fraction, "a number in [0, 0.5)")
+        require(self.val_fraction == 0 or (self.val_corpus is None
+                                           and self.corpus != "shakespeare"),
+                "val_fraction", self.val_fraction, "0 when val_corpus is set or the corpus "
+                "is 'shakespeare' (they have a validation split of their own)")
+        require(self.val_tokens is None or (_is_int(self.val_tokens) and self.val_tokens >= 1),
+                "val_tokens", self.val_tokens, "a positive integer or null")
+        require(isinstance(self.text_column, str) and self.text_column.strip() != "",
+                "text_column", self.text_column, "a non-empty string")
 
 
 def _is_int(value: Any) -> bool:

@@ -75,15 +75,29 @@ def read_bytes(path: str, start: int | None = None, stop: int | None = None) -> 
         raise FileNotFoundError(f"{path} does not exist") from None
 
 
-def write_bytes(path: str, data: bytes) -> None:
-    """Write file `path` whole (atomically; parent folders are made)."""
+@contextmanager
+def writing(path: str) -> Iterator[IO[bytes]]:
+    """A binary file to write `path` through, whole or not at all: it appears at `path` once
+    the block ends without an error (parent folders are made)."""
     if not is_url(path):
-        os.makedirs(os.path.dirname(local(path)) or ".", exist_ok=True)
         with atomic_file(local(path)) as f:
-            f.write(data)
+            yield f
         return
     fs, bare = _fs(path)
-    fs.pipe_file(bare, data)
+    f = fs.open(bare, "wb")  # the object is created when the upload completes, at close
+    try:
+        yield f
+    except BaseException:
+        f.discard()  # the upload started, if any
+        f.closed = True  # else garbage collection would close it: upload what was written
+        raise
+    f.close()
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write file `path` whole (see `writing`)."""
+    with writing(path) as f:
+        f.write(data)
 
 
 def exists(path: str) -> bool:
@@ -111,30 +125,37 @@ def info(path: str) -> dict[str, Any]:
     """{"size": bytes, "version": what changes when the file does (the object's generation on
     a bucket, the modification time in ns locally)} of file `path`. Raises FileNotFoundError."""
     if not is_url(path):
-        stat = os.stat(local(path))
-        return {"size": stat.st_size, "version": stat.st_mtime_ns}
+        try:
+            stat = os.stat(local(path))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path} does not exist") from None
+        return {"size": stat.st_size, "version": str(stat.st_mtime_ns)}
     fs, bare = _fs(path)
     fs.invalidate_cache()
     try:
-        details = fs.info(bare)
+        return _info(fs.info(bare))
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} does not exist") from None
+
+
+def _info(details: dict[str, Any]) -> dict[str, Any]:
     return {"size": int(details["size"]),
             "version": str(details.get("generation") or details.get("etag")
                            or details.get("mtime") or details.get("updated"))}
 
 
-def glob(pattern: str) -> list[str]:
-    """The files (not folders) matching `pattern` (`*`, `?`, `[...]`, recursive `**`), sorted,
-    as paths (relative if `pattern` is) or URLs like `pattern`."""
+def glob(pattern: str) -> dict[str, dict[str, Any]]:
+    """{path: `info`} of the files (not folders) matching `pattern` (`*`, `?`, `[...]`,
+    recursive `**`), sorted by path; paths are relative if `pattern` is, URLs if it is one (a
+    bucket lists them with their sizes and generations in one request)."""
     if not is_url(pattern):
-        return sorted(p for p in stdlib_glob.glob(local(pattern), recursive=True)
-                      if os.path.isfile(p))
+        return {p: info(p) for p in sorted(stdlib_glob.glob(local(pattern), recursive=True))
+                if os.path.isfile(p)}
     fs, bare = _fs(pattern)
     fs.invalidate_cache()
     found = fs.glob(bare, detail=True)
-    return sorted(_url(fs, name) for name, details in found.items()
-                  if details.get("type") == "file")
+    return {_url(fs, name): _info(details) for name, details in sorted(found.items())
+            if details.get("type") == "file"}
 
 
 def makedirs(path: str) -> None:

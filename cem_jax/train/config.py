@@ -102,7 +102,8 @@ class RunConfig:
     """What the loop does and where it writes.
 
     dir: the run directory (config, tokenizer, metrics, checkpoints); an existing one with a
-      checkpoint is resumed. A leading `~` is the home directory; no '[' or ']' in its path
+      checkpoint is resumed. A local path (a bucket is mounted with gcsfuse: launch/README.md);
+      a leading `~` is the home directory; no '[' or ']' in its path
       (`cem_jax.train.checkpoint.checkpoint_directory`). steps: optimizer steps in all.
       seed: parameter init seed.
     log_every / eval_every / checkpoint_every: in steps (eval and checkpoint also at the end).
@@ -137,6 +138,9 @@ class RunConfig:
         check_field_types(self)
         require(self.dir.strip() != "", "dir", self.dir, "a non-empty path")
         object.__setattr__(self, "dir", os.path.expanduser(self.dir))  # as a shell would
+        require("://" not in self.dir, "dir", self.dir, "a local path (a bucket mounted with "
+                "gcsfuse, as launch/tpu_pod.sh --bucket does, is one: give the mount's path; "
+                "data may be read from gs:// directly)")
         for name in ("steps", "log_every", "eval_every", "checkpoint_every",
                      "keep_checkpoints"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")

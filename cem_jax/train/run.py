@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from cem_jax.config import NOT_IN_MATH
 from cem_jax.data import (
+    DataConfig,
     Tokenizer,
     build_tokenizer,
     load_tokenizer,
@@ -47,6 +48,8 @@ from cem_jax.data import (
     make_train_iterator,
 )
 from cem_jax.data.config import NOT_IN_TOKEN_STREAM
+from cem_jax.data.distributed import check_same
+from cem_jax.data.pipeline import no_validation
 from cem_jax.data.shakespeare import FetchError
 from cem_jax.evaluate import describe, evaluate
 from cem_jax.export.output import unmark_output
@@ -216,14 +219,13 @@ def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
                            "last step and never decays; lower optimizer.warmup_steps",
                            cfg.optimizer.warmup_steps, cfg.run.steps, cfg.run.steps)
         tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
-        if cfg.data.has_validation:  # a bad validation corpus fails now, not after training
-            load_tokens(cfg.data, tokenizer, "validation")
+        _load_splits(cfg.data, tokenizer, report=finished is None)
         trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh, cfg.run.debug_nan_step)
-        iterator = make_train_iterator(cfg.data, tokenizer)
+        iterator = make_train_iterator(cfg.data, tokenizer, first_step=resume_step or 0)
         if resume_step is None:
             state = trainer.init(cfg.run.seed)
         else:
-            state, meta = checkpointer.restore(resume_step, trainer.abstract_state(), iterator)
+            state, meta = checkpointer.restore(resume_step, trainer.abstract_state())
             if meta["tokenizer_sha256"] != tokenizer.sha256:
                 raise CheckpointError(f"{run_dir / 'tokenizer.model'} is not the tokenizer the "
                                       f"checkpoint was trained with")
@@ -247,6 +249,21 @@ def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
         summary["sample"] = _sample(cfg, state["params"], tokenizer, mesh)
         logger.info("sample:\n%s%s", cfg.run.sample_prompt, summary["sample"])
     return summary
+
+
+def _load_splits(cfg: DataConfig, tokenizer: Tokenizer, report: bool) -> None:
+    """Open (tokenizing once, if needed) the training and validation splits, so that a bad
+    corpus fails now, not after training; check that every process sees the same ones; say
+    when the run has no validation split (`report`: it has steps to train)."""
+    splits = [load_tokens(cfg, tokenizer, "train")]
+    if cfg.has_validation:
+        splits.append(load_tokens(cfg, tokenizer, "validation"))
+    elif report:
+        logger.warning("the run reports no validation: %s", no_validation(cfg))
+    if jax.process_count() > 1:
+        check_same("cem_jax/data/identity", " ".join(
+            [tokenizer.sha256, *(s.stream.manifest.identity for s in splits)]),
+            "a dataset or tokenizer")
 
 
 def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
@@ -313,7 +330,7 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
             lambda params: _validate(cfg, trainer, params, tokenizer, mesh), writer)
         loop.add_hook(validate, run.eval_every, reads="state")
     loop.add_hook(hooks.SaveCheckpoint(
-        lambda step, state: checkpointer.save(step, state, iterator, cfg.to_dict(), tokenizer),
+        lambda step, state: checkpointer.save(step, state, cfg.to_dict(), tokenizer),
         writer), run.checkpoint_every, reads="state", at_last=True)
     return loop
 

@@ -12,7 +12,7 @@ def test_defaults_describe_the_tiny_run():
     cfg = DataConfig()
     assert (cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.batch_size) == ("shakespeare", 2048,
                                                                           256, 32)
-    assert all(isinstance(getattr(cfg, f.name), (str, int, bool, type(None)))
+    assert all(isinstance(getattr(cfg, f.name), (str, int, float, bool, type(None)))
                for f in dataclasses.fields(cfg))
 
 

@@ -3,7 +3,6 @@ ArrayRecord, local and on gs:// (a local emulator); and the one-line errors of b
 
 import gzip
 import json
-import os
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ from cem_jax.data.formats import (
     compression_of,
     documents,
     format_of,
-    parts,
+    row_groups,
 )
 
 
@@ -135,12 +134,9 @@ def test_parquet_parts_are_row_groups_sized_by_the_text_column(tmp_path):
     write_parquet(path, [t * 20 for t in TEXTS], row_group_size=3, id=list(range(7)))
     metadata = pq.ParquetFile(path).metadata
     expected = [metadata.row_group(i).column(0).total_uncompressed_size for i in range(3)]
-    assert parts(path, "parquet") == [Part(0, 1, expected[0]), Part(1, 2, expected[1]),
-                                      Part(2, 3, expected[2])]
+    assert row_groups(path) == [Part(0, 1, expected[0]), Part(1, 2, expected[1]),
+                                Part(2, 3, expected[2])]
     assert expected[0] > expected[2] > 0  # 3 long rows against 1 short one
-    (tmp_path / "d.jsonl").write_bytes(jsonl_bytes(TEXTS))
-    assert parts(str(tmp_path / "d.jsonl"), "jsonl") == [
-        Part(None, None, os.path.getsize(tmp_path / "d.jsonl"))]
 
 
 def test_parquet_rows_are_documents_named_by_their_row_in_the_file(tmp_path):
@@ -151,7 +147,7 @@ def test_parquet_rows_are_documents_named_by_their_row_in_the_file(tmp_path):
     assert whole == [(f"{path}[0]", "a\nb"), (f"{path}[1]", ""), (f"{path}[2]", ""),
                      (f"{path}[3]", "c"), (f"{path}[4]", "d"), (f"{path}[5]", "e"),
                      (f"{path}[6]", "f")]
-    by_part = [read(path, part=p) for p in parts(path, "parquet")]
+    by_part = [read(path, part=p) for p in row_groups(path)]
     assert by_part[1] == whole[3:6] and sum(by_part, []) == whole
     assert read(path, part=Part(1, 3, 0)) == whole[3:]
 
@@ -177,7 +173,6 @@ def test_arrayrecord_records_are_documents(tmp_path):
     write_arrayrecord(path, [b"first doc", b"", "zweites Dokument \u00fc\r\n".encode()])
     assert read(path) == [(f"{path}[0]", "first doc"), (f"{path}[1]", ""),
                           (f"{path}[2]", "zweites Dokument \u00fc\n")]
-    assert parts(str(path), "arrayrecord") == [Part(None, None, os.path.getsize(path))]
 
 
 def test_arrayrecord_invalid_utf8_names_the_record(tmp_path):
@@ -222,7 +217,8 @@ def _bad_zstd(_) -> bytes:
 
 JSONL = jsonl_bytes(TEXTS)
 BINARY = bytes(range(256)) * 64  # 16 KiB, 26 of each 256 bytes are control bytes
-# (name, content from tmp_path, format, the error's message after the path, also from parts())
+# (name, content from tmp_path, format, the error's message after the path, also from
+# row_groups() for a Parquet file)
 BAD_FILES = [
     ("x.txt", _parquet_bytes, "text",
      r" is a Parquet file, not text: give it a \.parquet name or the prefix parquet:$", True),
@@ -292,9 +288,9 @@ def test_a_bad_file_is_one_line_naming_it(tmp_path, name, content, fmt, message,
     with pytest.raises(ValueError, match=f"^{path}{message}") as err:
         read(path, fmt)
     assert "\n" not in str(err.value)
-    if at_parts:
+    if at_parts and fmt == "parquet":
         with pytest.raises(ValueError, match=f"^{path}{message}"):
-            parts(str(path), fmt)
+            row_groups(str(path))
 
 
 def test_text_with_a_few_bad_bytes_is_read_under_the_flag(tmp_path):
@@ -312,7 +308,7 @@ def test_text_with_a_few_bad_bytes_is_read_under_the_flag(tmp_path):
 def test_a_parquet_file_without_the_text_column_names_its_columns(tmp_path, column, message):
     path = str(tmp_path / "d.parquet")
     write_parquet(path, ["a", "b"], n=[1, 2])
-    for call in (lambda: parts(path, "parquet", text_column=column),
+    for call in (lambda: row_groups(path, text_column=column),
                  lambda: read(path, text_column=column)):
         with pytest.raises(ValueError, match=f"^{path}{message}"):
             call()
@@ -334,13 +330,11 @@ def test_unknown_format_and_missing_file(tmp_path):
     with pytest.raises(ValueError, match=r"unknown format 'csv' of a\.csv: expected one of text, "
                                          r"jsonl, parquet, arrayrecord$"):
         documents("a.csv", "csv")
-    with pytest.raises(ValueError, match=r"unknown format 'csv'"):
-        parts("a.csv", "csv")
     missing = tmp_path / "nope.jsonl.gz"
     with pytest.raises(FileNotFoundError, match=f"{missing} does not exist"):
         read(missing)
-    with pytest.raises(FileNotFoundError, match=f"{missing} does not exist"):
-        parts(str(missing), "jsonl")
+    with pytest.raises(FileNotFoundError, match=f"{missing}.parquet does not exist"):
+        row_groups(f"{missing}.parquet")
 
 
 def test_arrayrecord_from_another_protocol_is_refused():
@@ -352,7 +346,7 @@ def test_arrayrecord_from_another_protocol_is_refused():
 
 # -- gs:// through the emulator -----------------------------------------------------------------
 
-def test_documents_and_parts_on_gs_equal_the_local_ones(tmp_path, gcs_bucket):
+def test_documents_and_row_groups_on_gs_equal_the_local_ones(tmp_path, gcs_bucket):
     data = jsonl_bytes(TEXTS * 30)
     (tmp_path / "t.txt").write_bytes("\ufeffPlain text\r\n".encode() * 100)
     (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(data))
@@ -368,9 +362,9 @@ def test_documents_and_parts_on_gs_equal_the_local_ones(tmp_path, gcs_bucket):
         expected = [Document(d.name.replace(local, url), d.text) for d in documents(local, fmt)]
         assert len(expected) > 1 or fmt == "text"
         assert list(documents(url, fmt)) == expected
-        assert parts(url, fmt) == parts(local, fmt)
     url = f"{gcs_bucket}/corpus/d.parquet"
-    assert len(parts(url, "parquet")) == 5
+    assert row_groups(url) == row_groups(str(tmp_path / "d.parquet"))
+    assert len(row_groups(url)) == 5
     assert read(url, part=Part(2, 3, 0))[0] == (f"{url}[100]", TEXTS[100 % 7])
 
 
@@ -385,9 +379,9 @@ def test_bad_files_on_gs_are_named_by_their_url(tmp_path, gcs_bucket):
 
 @pytest.mark.parametrize("round_", [1, 2])
 def test_each_test_gets_an_empty_bucket_and_a_working_gcsfs(gcs_bucket, round_):
-    assert files.glob(f"{gcs_bucket}/**") == []
+    assert files.glob(f"{gcs_bucket}/**") == {}
     files.write_bytes(f"{gcs_bucket}/a/b.txt", b"round %d" % round_)
-    assert files.glob(f"{gcs_bucket}/**") == [f"{gcs_bucket}/a/b.txt"]
+    assert list(files.glob(f"{gcs_bucket}/**")) == [f"{gcs_bucket}/a/b.txt"]
     assert files.read_bytes(f"{gcs_bucket}/a/b.txt") == b"round %d" % round_
 
 

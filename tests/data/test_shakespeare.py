@@ -15,8 +15,8 @@ from cem_jax.data import (
     fetch_archive,
     load_tokens,
     make_eval_batches,
-    resolve_split,
     shakespeare,
+    source_of,
 )
 from cem_jax.data.shakespeare import ARCHIVE_ENV, ARCHIVE_NAME, ARCHIVE_SHA256, sha256_file
 
@@ -43,8 +43,8 @@ def test_the_archive_is_hashed_once_per_process(archive_cache, monkeypatch):
 
 def test_split_by_work_holds_out_about_five_percent(archive_cache):
     cfg = DataConfig(cache_dir=str(archive_cache))
-    train = {d.name: d.text for d in resolve_split(cfg, "train").documents()}
-    val = {d.name: d.text for d in resolve_split(cfg, "validation").documents()}
+    train = {d.name: d.text for d in source_of(cfg, "train").documents()}
+    val = {d.name: d.text for d in source_of(cfg, "validation").documents()}
     assert sorted(val) == sorted(HELD_OUT_WORKS)
     assert not set(train) & set(val) and len(train) + len(val) == 42
     fraction = sum(map(len, val.values())) / sum(map(len, [*train.values(), *val.values()]))
@@ -58,7 +58,7 @@ def test_split_by_work_holds_out_about_five_percent(archive_cache):
 def test_texts_carry_no_gutenberg_boilerplate(archive_cache):
     cfg = DataConfig(cache_dir=str(archive_cache))
     for split in ("train", "validation", "milton"):
-        for doc in resolve_split(cfg, split).documents():
+        for doc in source_of(cfg, split).documents():
             assert "gutenberg" not in doc.text.lower(), doc.name
             assert "\r" not in doc.text and not doc.text.startswith("\ufeff"), doc.name
 
@@ -132,7 +132,7 @@ def test_real_corpus_tokenizes_and_round_trips(archive_cache, report):
     assert train.bytes + val.bytes == 5_057_198
     assert 1_000_000 < train.tokens < 2_500_000 and 2.2 < train.bytes_per_token < 3.5
     assert 0.03 < val.tokens / (train.tokens + val.tokens) < 0.07
-    for doc in resolve_split(cfg, "validation").documents():
+    for doc in source_of(cfg, "validation").documents():
         assert tokenizer.decode(tokenizer.encode(doc.text)) == doc.text, doc.name
     weights = sum(float(b["weights"].sum()) for b in make_eval_batches(
         cfg, tokenizer, "validation", process_index=0, process_count=1))

@@ -73,14 +73,11 @@ def _run() -> dict:
             report[name]["batch_gathers"] = re.findall(  # [B, T, ...] of the global B = 16
                 r"= (f32\[16,16,\d+\])\S* all-gather\(", hlo)
     with tempfile.TemporaryDirectory() as run_dir:  # save on 2x2x2, restore on 1 device
-        import grain
-        data = iter(grain.MapDataset.range(8).to_iter_dataset())
         tokenizer = types.SimpleNamespace(sha256="0", model_proto=b"")
         checkpointer = Checkpointer(Path(run_dir), keep=1)
-        checkpointer.save(2, state, data, {}, tokenizer)
+        checkpointer.save(2, state, {}, tokenizer)
         checkpointer.wait()
-        restored, _ = checkpointer.restore(2, Trainer(model, opt, 10, one).abstract_state(),
-                                           data)
+        restored, _ = checkpointer.restore(2, Trainer(model, opt, 10, one).abstract_state())
         checkpointer.close()
     restored_diff = max_diff(restored["params"], state["params"])
     _, _, next_loss = steps(one, 1, restored)  # (donates `restored`)

@@ -1,0 +1,163 @@
+"""Tokenize a source once, in parallel, into a tokenized dataset (`cem_jax.data.shards`).
+
+    manifest = tokenize_dataset(source, tokenizer, "gs://bucket/tokens/fineweb")
+
+The source's units (`cem_jax.data.sources.Unit`) are tokenized by a pool of worker processes,
+one unit at a time each, one tokenizer thread each (`workers`, default: every core; with one
+worker the unit is tokenized here, with `threads` tokenizer threads). Each finished unit leaves
+its shards and then its record, so an interrupted tokenization resumes at the units without a
+record. Machines share the work by `part=(i, n)`: each takes the units i, i+n, i+2n, ... (a
+pod's own hosts, or the tasks of a job of Apache Beam or Ray calling `tokenize_dataset` with
+their index); whichever finds every unit finished writes the manifest, which joins them (its
+content is the same whoever writes it).
+
+Documents are assigned to the "documents" or the "held_out" split by a hash of (unit, index in
+the unit), a fraction `held_out_fraction` of them held out: the same documents in every
+process, run and machine. Empty documents are skipped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import hashlib
+import json
+import multiprocessing
+import os
+from collections.abc import Callable
+
+from cem_jax.data import files, shards
+from cem_jax.data.shards import DatasetError, Manifest, Shard, ShardWriter
+from cem_jax.data.sources import Source, Unit
+from cem_jax.data.tokenizer import Tokenizer, tokenizer_from_bytes
+
+ENCODE_BATCH_CHARS = 1 << 22  # characters handed to the tokenizer at once
+
+
+def dataset_identity(source: Source, tokenizer: Tokenizer, held_out_fraction: float) -> str:
+    """Hex digest of what a dataset holds: the layout version, the source's fingerprint, the
+    tokenizer and the held-out fraction (a cache folder is named by it)."""
+    blob = json.dumps([shards.VERSION, source.fingerprint(), tokenizer.sha256,
+                       float(held_out_fraction)])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
+                     held_out_fraction: float = 0.0, workers: int | None = None,
+                     threads: int | None = None, part: tuple[int, int] = (0, 1),
+                     progress: Callable[[int], None] | None = None) -> Manifest | None:
+    """Tokenize the units of `source` that are this `part`'s and not finished yet into the
+    dataset folder `root`; returns its manifest once every unit is finished (None while other
+    parts are not). A finished dataset is returned as it is.
+
+    workers: processes (default: one per core, at most one per unit); threads: tokenizer
+    threads of a single worker (default: every core). progress: called with the bytes of each
+    unit finished. Raises DatasetError when `root` holds another dataset, ValueError naming
+    the file when a document cannot be read, and when the whole source holds no text.
+    """
+    identity = dataset_identity(source, tokenizer, held_out_fraction)
+    try:
+        manifest = shards.read_manifest(root)
+    except FileNotFoundError:
+        manifest = None
+    if manifest is not None:
+        if manifest.identity != identity:
+            raise DatasetError(f"{root} holds another tokenized dataset "
+                               f"({manifest.source['description']}, tokenizer "
+                               f"{manifest.tokenizer['sha256'][:12]}…): choose another folder")
+        return manifest
+    units = source.units()
+    index, count = part
+    todo = [u for u in units[index::count]
+            if shards.read_unit_record(root, u.index, identity) is None]
+    job = functools.partial(_tokenize_unit, root, source, tokenizer.data, identity,
+                            held_out_fraction)
+    workers = min(workers or os.cpu_count() or 1, max(len(todo), 1))
+    if workers == 1:
+        for unit in todo:
+            job(unit, threads)
+            if progress:
+                progress(unit.size)
+    else:
+        _in_processes(job, todo, workers, progress)
+    records = [shards.read_unit_record(root, u.index, identity) for u in units]
+    if any(r is None for r in records):
+        return None
+    return _write_manifest(root, source, tokenizer, held_out_fraction, identity, records)
+
+
+def _in_processes(job: Callable, units: list[Unit], workers: int,
+                  progress: Callable[[int], None] | None) -> None:
+    """`job(unit, 1)` for each unit in `workers` fresh processes (spawned: the caller may hold
+    threads, JAX's among them, that a fork would copy half-alive)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        futures = {pool.submit(job, unit, 1): unit for unit in units}
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+                if progress:
+                    progress(futures[future].size)
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+def _tokenize_unit(root: str, source: Source, tokenizer_data: bytes, identity: str,
+                   held_out_fraction: float, unit: Unit, threads: int | None) -> None:
+    """Tokenize one unit: its shards, then its record (the unit is finished once it exists)."""
+    tokenizer = _tokenizer(tokenizer_data)
+    dtype = shards.token_dtype(tokenizer.vocab_size)
+    pending: list[tuple[int, str]] = []
+
+    def flush(writer: ShardWriter) -> None:
+        texts = [text for _, text in pending]
+        for (i, text), ids in zip(pending, tokenizer.encode_batch(texts, num_threads=threads),
+                                  strict=True):
+            split = "held_out" if _held_out(unit.index, i, held_out_fraction) else "documents"
+            writer.add(split, ids, len(text.encode("utf-8")))
+        pending.clear()
+
+    with ShardWriter(root, unit.index, dtype, tokenizer.eos_id) as writer:
+        size = 0
+        for i, doc in enumerate(source.documents(unit)):
+            if doc.text:
+                pending.append((i, doc.text))
+                size += len(doc.text)
+            if size >= ENCODE_BATCH_CHARS:
+                flush(writer)
+                size = 0
+        flush(writer)
+    shards.write_unit_record(root, unit.index, {"identity": identity, "unit": unit.index,
+                                                "size": unit.size, "splits": writer.stats})
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(data: bytes) -> Tokenizer:
+    return tokenizer_from_bytes(data)
+
+
+def _held_out(unit: int, document: int, fraction: float) -> bool:
+    """Whether document `document` of unit `unit` is held out (a hash below `fraction`)."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.blake2b(f"{unit}/{document}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
+
+
+def _write_manifest(root: str, source: Source, tokenizer: Tokenizer, held_out_fraction: float,
+                    identity: str, records: list[dict]) -> Manifest:
+    splits = {name: tuple(Shard(r["unit"], **r["splits"][name]) for r in records
+                          if name in r["splits"]) for name in shards.SPLITS}
+    if not any(splits.values()):
+        raise ValueError(f"{source.description} is empty: it holds no text")
+    tokenizer_file = tokenizer.file_name
+    files.write_bytes(files.join(root, tokenizer_file), tokenizer.data)
+    manifest = Manifest(
+        root, identity, {"spec": source.spec, "description": source.description,
+                         "fingerprint": source.fingerprint()},
+        {"kind": tokenizer.kind, "sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
+         "eos_id": tokenizer.eos_id, "file": tokenizer_file}, float(held_out_fraction),
+        shards.token_dtype(tokenizer.vocab_size).str, {k: v for k, v in splits.items() if v})
+    shards.write_manifest(manifest)
+    return manifest

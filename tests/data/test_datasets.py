@@ -1,0 +1,166 @@
+"""Tokenized datasets (`cem_jax.data.tokenize`, `cem_jax.data.shards`): the stream a dataset holds
+is the documents packed as the pipeline defines it, whatever the workers or parts; held-out
+documents are chosen alike everywhere; an interrupted tokenization resumes without redoing a
+finished unit; a damaged shard is named; `cem-data verify` checks every checksum."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from conftest import make_documents
+
+from cem_jax.data import formats, load_tokenizer, shards, sources, tokenize
+from cem_jax.data.cli import main as data_main
+from cem_jax.data.shards import DatasetError, TokenStream
+from cem_jax.data.tokenize import tokenize_dataset
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    """Six text files of 1 to 4 kB, each a unit (units of at least 1 byte)."""
+    monkeypatch.setattr(sources, "UNIT_BYTES", 1)
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i, doc in enumerate(make_documents(6, 3)):
+        (folder / f"d{i}.txt").write_text(doc)
+    return folder
+
+
+def expected_stream(source, tokenizer) -> list[int]:
+    """EOS d1 EOS d2 ... EOS dn EOS, tokenized document by document."""
+    stream = []
+    for doc in source.documents():
+        stream += [tokenizer.eos_id, *tokenizer.encode(doc.text)]
+    return [*stream, tokenizer.eos_id]
+
+
+def test_a_dataset_holds_the_packed_documents_whatever_the_workers(corpus, tmp_path,
+                                                                   small_tokenizer_path):
+    tokenizer = load_tokenizer(small_tokenizer_path)
+    source = sources.user_source(str(corpus / "*.txt"))
+    assert [(u.first, u.last) for u in source.units()] == [(i, i) for i in range(6)]
+    one = tokenize_dataset(source, tokenizer, str(tmp_path / "one"), workers=1)
+    two = tokenize_dataset(source, tokenizer, str(tmp_path / "two"), workers=2)
+    stream = TokenStream(one, "documents", tokenizer.vocab_size)
+    want = expected_stream(source, tokenizer)
+    assert len(stream) == len(want) and list(stream.read(0, len(want))) == want
+    assert list(stream.read(5, len(want) - 5)) == want[5:-5]  # across shard boundaries
+    with pytest.raises(IndexError):
+        stream.read(0, len(want) + 1)
+    assert one.splits == two.splits and one.identity == two.identity
+    for unit in range(6):
+        name = shards.shard_name("documents", unit)
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    sizes = list(stream.document_sizes())
+    assert len(sizes) == 6 and sum(t for t, _ in sizes) == len(want) - 1
+    assert sum(b for _, b in sizes) == sum(len(d.text.encode()) for d in source.documents())
+
+
+def test_held_out_documents_are_the_same_in_every_run_and_part(corpus, tmp_path,
+                                                               small_tokenizer_path):
+    tokenizer = load_tokenizer(small_tokenizer_path)
+    source = sources.user_source(str(corpus / "*.txt"))
+    whole = tokenize_dataset(source, tokenizer, str(tmp_path / "whole"), held_out_fraction=0.3)
+    first = tokenize_dataset(source, tokenizer, str(tmp_path / "parts"), held_out_fraction=0.3,
+                             part=(0, 2))
+    assert first is None  # units 1, 3 and 5 are the other part's
+    assert sorted(os.listdir(tmp_path / "parts" / "units")) == [
+        "00000.json", "00002.json", "00004.json"]
+    joined = tokenize_dataset(source, tokenizer, str(tmp_path / "parts"), held_out_fraction=0.3,
+                              part=(1, 2))
+    assert joined.splits == whole.splits
+    held = [s.documents for s in whole.splits["held_out"]]
+    kept = [s.documents for s in whole.splits["documents"]]
+    assert sum(held) + sum(kept) == 6 and 0 < sum(held) < 6
+
+
+def test_an_interrupted_tokenization_resumes_at_its_first_unfinished_unit(
+        corpus, tmp_path, small_tokenizer_path, monkeypatch):
+    """Interrupted (Ctrl-C) in the middle of unit 1 (its first document written): unit 0 is
+    kept, nothing of unit 1 is left, and the next call tokenizes units 1 to 5 only."""
+    tokenizer = load_tokenizer(small_tokenizer_path)
+    (corpus / "d1.txt").unlink()
+    (corpus / "d1.jsonl").write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(3)))
+    monkeypatch.setattr(tokenize, "ENCODE_BATCH_CHARS", 1)  # each document written at once
+    source = sources.user_source(str(corpus / "d*"))
+    root = tmp_path / "ds"
+    read = sources.Source.documents
+    calls = []
+
+    def interrupted(self, unit=None):
+        calls.append(unit.index)
+        for i, doc in enumerate(read(self, unit)):
+            if unit.index == 1 and i == 1 and len(calls) == 2:
+                raise KeyboardInterrupt
+            yield doc
+
+    monkeypatch.setattr(sources.Source, "documents", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tokenize_dataset(source, tokenizer, str(root), workers=1)
+    assert sorted(os.listdir(root / "units")) == ["00000.json"]
+    assert sorted(os.listdir(root / "documents")) == ["00000.bin", "00000.docs"]
+    kept = (root / "units" / "00000.json").stat().st_mtime_ns
+    manifest = tokenize_dataset(source, tokenizer, str(root), workers=1)
+    assert calls == [0, 1, 1, 2, 3, 4, 5] and manifest is not None
+    assert (root / "units" / "00000.json").stat().st_mtime_ns == kept
+    stream = TokenStream(manifest, "documents", tokenizer.vocab_size)
+    monkeypatch.undo()
+    assert list(stream.read(0, len(stream))) == expected_stream(source, tokenizer)
+
+
+def test_a_damaged_shard_is_named(corpus, tmp_path, small_tokenizer_path, capsys):
+    tokenizer = load_tokenizer(small_tokenizer_path)
+    source = sources.user_source(str(corpus / "*.txt"))
+    root = tmp_path / "ds"
+    manifest = tokenize_dataset(source, tokenizer, str(root), workers=1)
+    assert data_main(["verify", str(root)]) == 0
+    shard = root / shards.shard_name("documents", 1)
+    data = bytearray(shard.read_bytes())
+    data[10:12] = b"\xff\xff"  # id 65535, past the vocabulary
+    shard.write_bytes(bytes(data))
+    stream = TokenStream(manifest, "documents", tokenizer.vocab_size)
+    with pytest.raises(DatasetError, match=f"shard {shard} is damaged: it holds token id 65535"):
+        stream.read(0, len(stream))
+    assert data_main(["verify", str(root)]) == 1
+    assert f"damaged: {shard}: SHA-256 differs" in capsys.readouterr().err
+    shard.write_bytes(bytes(data[:-6]))  # truncated
+    with pytest.raises(DatasetError, match=f"shard {shard} is damaged: {len(data) - 6:,} bytes"):
+        TokenStream(manifest, "documents", tokenizer.vocab_size).read(0, len(stream))
+    other = sources.user_source(str(corpus / "d1.txt"))
+    with pytest.raises(DatasetError, match=f"{root} holds another tokenized dataset"):
+        tokenize_dataset(other, tokenizer, str(root))
+
+
+def test_units_gather_files_up_to_a_size_and_cut_a_large_parquet_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "UNIT_BYTES", 10)
+    source = sources.Source("x", "text", tuple("abcdefg"), (5, 4, 1, 20, 3, 3, 2),
+                            ("",) * 7)
+    assert [(u.first, u.last, u.size) for u in source.units()] == [
+        (0, 2, 10), (3, 3, 20), (4, 6, 8)]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"text": ["x" * 40] * 10}), path, row_group_size=2)
+    group = formats.row_groups(str(path))[0].size  # each of the 5 row groups alike
+    assert 0 < 2 * group < path.stat().st_size
+    monkeypatch.setattr(sources, "UNIT_BYTES", 2 * group)
+    source = sources.user_source(str(path))
+    units = source.units()
+    assert [(u.part.start, u.part.stop) for u in units] == [(0, 2), (2, 4), (4, 5)]
+    assert [d.name for d in source.documents(units[2])] == [f"{path}[8]", f"{path}[9]"]
+
+
+def test_a_stream_limited_to_whole_documents_ends_with_eos(corpus, tmp_path,
+                                                          small_tokenizer_path):
+    tokenizer = load_tokenizer(small_tokenizer_path)
+    source = sources.user_source(str(corpus / "*.txt"))
+    manifest = tokenize_dataset(source, tokenizer, str(tmp_path / "ds"), workers=1)
+    sizes = list(TokenStream(manifest, "documents", 400).document_sizes())
+    limit = sizes[0][0] + sizes[1][0]
+    stream = TokenStream(manifest, "documents", 400, limit=limit)
+    want = expected_stream(source, tokenizer)[:limit] + [tokenizer.eos_id]
+    assert list(stream.read(0, len(stream))) == want
+    assert np.count_nonzero(stream.read(0, len(stream)) == tokenizer.eos_id) == 3
