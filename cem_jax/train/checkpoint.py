@@ -2,7 +2,8 @@
 
     state/   params, opt_state, step (orbax StandardSave: sharded arrays, any mesh can restore)
     data/    the grain iterator's position, one JSON file per process (grain's orbax handler)
-    meta/    the resolved config, the tokenizer's SHA-256 and its model (base64) (JSON)
+    meta/    the resolved config, the tokenizer's SHA-256 and its files (JSON: {name: base64},
+             e.g. tokenizer.model, or tokenizer.json and tokenizer_config.json)
 
 Saving is asynchronous (training continues while arrays are written); orbax writes each step
 into a temporary directory and renames it when complete, so a run killed mid-save leaves the
@@ -96,7 +97,8 @@ class Checkpointer:
         """Start saving step `step` (returns before the arrays are written; see `wait`).
         The caller must only pass a state whose loss, gradients and parameters are finite."""
         meta = {"config": config, "tokenizer_sha256": tokenizer.sha256,
-                "tokenizer_model": base64.b64encode(tokenizer.model_proto).decode()}
+                "tokenizer_files": {name: base64.b64encode(content).decode()
+                                    for name, content in tokenizer.files().items()}}
         self.manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator),
             meta=ocp.args.JsonSave(meta)))

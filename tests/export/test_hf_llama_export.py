@@ -44,7 +44,7 @@ def test_llama_logits_equal_ours_and_import_back(tmp_path, tokenizer, tie_embedd
 
     cfg = ModelConfig(**{**BASELINE, **SCALED[rope]}, tie_embeddings=tie_embeddings)
     params = random_params(cfg)
-    out = export_hf_llama(params, cfg, tokenizer.model_proto, tmp_path / "llama")
+    out = export_hf_llama(params, cfg, tokenizer, tmp_path / "llama")
     llama = LlamaForCausalLM.from_pretrained(out)
     assert llama.config.num_key_value_heads == 2
     assert llama.config.rope_parameters["rope_type"] == cfg.rope_type
@@ -189,7 +189,7 @@ def test_tokenizer_loads_in_transformers_and_round_trips(tmp_path, tokenizer):
     from transformers import AutoTokenizer
 
     cfg = ModelConfig(**BASELINE)
-    out = export_hf_llama(random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "llama")
+    out = export_hf_llama(random_params(cfg), cfg, tokenizer, tmp_path / "llama")
     hf = AutoTokenizer.from_pretrained(out)
     text = "The king speaks.\n  Two  spaces, ünïcode and 123 digits\n\nthe end"
     ids = hf.encode(text, add_special_tokens=False)
@@ -202,7 +202,7 @@ def test_a_cem_model_is_not_a_llama(tmp_path, tokenizer):
     cfg = ModelConfig(vocab_size=400, d_model=16, num_layers=1, num_heads=2, mlp_dim=32,
                       position="none", steps=2)
     with pytest.raises(ExportError, match="tie_attention=true") as err:
-        export_hf_llama(random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "llama")
+        export_hf_llama(random_params(cfg), cfg, tokenizer, tmp_path / "llama")
     for feature in ("tie_mlp=true", "preconditioner='scalar'", "steps=2", "position='none'",
                     "--format hf"):
         assert feature in str(err.value)
@@ -231,7 +231,7 @@ def test_import_then_export_is_exact(tmp_path, corpus):
     assert run.config.model.kv_heads == 2 and not run.config.model.tie_attention
     np.testing.assert_allclose(np.asarray(run.model()(IDS)), torch_logits(llama, IDS),
                                atol=1e-4, rtol=0)
-    export_hf_llama(run.params, run.config.model, run.tokenizer.model_proto, tmp_path / "out")
+    export_hf_llama(run.params, run.config.model, run.tokenizer, tmp_path / "out")
     original = safetensors.numpy.load_file(str(tmp_path / "hf" / "model.safetensors"))
     exported = safetensors.numpy.load_file(str(tmp_path / "out" / "model.safetensors"))
     assert original.keys() == exported.keys()
@@ -246,7 +246,7 @@ def test_import_then_export_is_exact(tmp_path, corpus):
 ])
 def test_a_damaged_llama_file_is_named(tmp_path, tokenizer, name, damage, message):
     cfg = ModelConfig(**BASELINE)
-    out = export_hf_llama(random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "llama")
+    out = export_hf_llama(random_params(cfg), cfg, tokenizer, tmp_path / "llama")
     assert read_llama_dir(out)[0]["model_type"] == "llama"  # readable before the damage
     (out / name).write_bytes(damage)
     with pytest.raises(ExportError, match=f"{out / name} {message}"):
@@ -255,7 +255,7 @@ def test_a_damaged_llama_file_is_named(tmp_path, tokenizer, name, damage, messag
 
 def test_a_llama_config_without_its_sizes_is_named(tmp_path, tokenizer):
     cfg = ModelConfig(**BASELINE)
-    out = export_hf_llama(random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "llama")
+    out = export_hf_llama(random_params(cfg), cfg, tokenizer, tmp_path / "llama")
     config, tensors = read_llama_dir(out)
     del config["hidden_size"], config["intermediate_size"]
     with pytest.raises(ExportError, match="config.json lacks hidden_size, intermediate_size"):

@@ -75,7 +75,7 @@ def _run() -> dict:
     with tempfile.TemporaryDirectory() as run_dir:  # save on 2x2x2, restore on 1 device
         import grain
         data = iter(grain.MapDataset.range(8).to_iter_dataset())
-        tokenizer = types.SimpleNamespace(sha256="0", model_proto=b"")
+        tokenizer = types.SimpleNamespace(sha256="0", files=dict)
         checkpointer = Checkpointer(Path(run_dir), keep=1)
         checkpointer.save(2, state, data, {}, tokenizer)
         checkpointer.wait()
