@@ -55,12 +55,13 @@ def json_tokenizer(corpus):
 
 @pytest.fixture
 def make_run(tmp_path, corpus):
-    """make_run(name, seed, tokenizer="sentencepiece" | "huggingface", **model_fields) →
-    (run directory, TrainConfig, params); the model's vocabulary is the tokenizer's 400 ids
-    unless model_fields say otherwise (a padded one)."""
+    """make_run(name, seed, tokenizer="sentencepiece" | "huggingface", edit=None,
+    **model_fields) → (run directory, TrainConfig, params); the model's vocabulary is the
+    tokenizer's 400 ids unless model_fields say otherwise (a padded one); `edit(params)` may
+    change the random parameters in place before they are written."""
     from cem_jax.data import load_tokenizer
 
-    def make(name="run", seed=0, tokenizer="sentencepiece", **model):
+    def make(name="run", seed=0, tokenizer="sentencepiece", edit=None, **model):
         values = {"model": {"vocab_size": VOCAB, "d_model": 16, "num_layers": 2,
                             "num_heads": 2, "mlp_dim": 32, **model},
                   "data": {"corpus": str(corpus / "train" / "*.txt"),
@@ -70,6 +71,8 @@ def make_run(tmp_path, corpus):
                   "run": {"dir": str(tmp_path / name), "steps": 2}}
         cfg = config_from_dict(values)
         params = random_params(cfg.model, seed)
+        if edit is not None:
+            edit(params)
         write_run(tmp_path / name, cfg, params, load_tokenizer(cfg.data.tokenizer), step=2)
         return tmp_path / name, cfg, params
 
