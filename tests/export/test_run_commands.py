@@ -26,14 +26,16 @@ from cem_jax.train.checkpoint import CheckpointError
 CEM = dict(interaction="dplr", preconditioner="dplr", steps=2)
 
 
-def test_cem_sample_prints_the_greedy_continuation(make_run, capsys):
-    run_dir, cfg, params = make_run(**CEM)
+@pytest.mark.parametrize("kind", ["sentencepiece", "huggingface"])
+def test_cem_sample_prints_the_greedy_continuation(make_run, capsys, kind):
+    run_dir, cfg, params = make_run(tokenizer=kind, **CEM)
     prompts = ["The king", "Thou art a fool and"]
     assert sample.main(["--run", str(run_dir), "--temperature", "0", "--max-new-tokens", "6",
                         *(a for p in prompts for a in ("--prompt", p))]) == 0
     printed = capsys.readouterr().out.split("-" * 40 + "\n")
     run = load_run(run_dir)
     tok = run.tokenizer
+    assert tok.kind == kind
     out = generate(params, cfg.model, [[tok.eos_id] + tok.encode(p) for p in prompts],
                    SamplingConfig(max_new_tokens=6, temperature=0.0, eos_id=tok.eos_id))
     for text, printed_text, row, n in zip(prompts, printed, out.tokens, out.lengths,
@@ -41,8 +43,9 @@ def test_cem_sample_prints_the_greedy_continuation(make_run, capsys):
         assert printed_text == text + tok.decode(row[:n]) + "\n"
 
 
-def test_cem_eval_on_a_text_file(make_run, tmp_path, capsys):
-    run_dir, cfg, params = make_run(**CEM)
+@pytest.mark.parametrize("kind", ["sentencepiece", "huggingface"])
+def test_cem_eval_on_a_text_file(make_run, tmp_path, capsys, kind):
+    run_dir, cfg, params = make_run(tokenizer=kind, **CEM)
     text = "The king doth speak.\nThou art a fool.\n"
     (tmp_path / "doc.txt").write_text(text)
     tok = load_run(run_dir).tokenizer
