@@ -39,8 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = dataclasses.replace(load_section(DataConfig, "data", args.config, args.overrides),
                                   **options)
-        model_vocab_size = load_section(ModelConfig, "model", args.config).vocab_size
-        args.command(with_vocab_size(cfg, model_vocab_size), args)
+        if cfg.tokenizer is None and cfg.vocab_size is None:  # the model section's, as cem-train
+            cfg = with_vocab_size(cfg, load_section(ModelConfig, "model", args.config).vocab_size)
+        args.command(cfg, args)
     except (ValueError, FileNotFoundError, shakespeare.FetchError) as err:
         print(f"cem-data {args.command.__name__}: error: {err}", file=sys.stderr)
         return 1
