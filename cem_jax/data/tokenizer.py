@@ -186,9 +186,10 @@ class HuggingFaceTokenizer(Tokenizer):
 
     special_tokens: {"eos_token", "bos_token", "pad_token"} → token text or None (none), as a
       tokenizer_config.json gives them (a {"content": ...} object too); a key left out is
-      looked up among the special added tokens by `FALLBACK_NAMES`. `source` names the file in
-      errors. Raises ValueError when `data` is not a tokenizer.json the library reads, when a
-      named token is not in it, or when it has no EOS.
+      looked up among the special added tokens by `FALLBACK_NAMES`. The choice is the
+      attribute `special_tokens` (every key; what `files` saves beside the tokenizer.json).
+      `source` names the file in errors. Raises ValueError when `data` is not a tokenizer.json
+      the library reads, when a named token is not in it, or when it has no EOS.
     """
 
     kind = "huggingface"
@@ -196,32 +197,14 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def __init__(self, data: bytes, special_tokens: Mapping[str, object] | None = None,
                  source: str = "tokenizer.json"):
-        try:
-            self._tok = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
-        except Exception as err:  # the library raises plain Exception
-            raise ValueError(f"{source} is neither a Hugging Face tokenizer.json that the "
-                             f"tokenizers library reads ({err}) nor a sentencepiece "
-                             f"model") from None
-        self._tok.encode_special_tokens = True  # literal special-token text stays text
+        self._tok = _backend(data, source)
         self.data = data
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
-        added = self._tok.get_added_tokens_decoder()
-        special = {t.content: i for i, t in added.items() if t.special}
-        self.special_tokens = {key: self._special_token(key, special_tokens or {}, special, source)
-                               for key in SPECIAL_KEYS}
-        if missing := [f"{key} {token!r}" for key, token in self.special_tokens.items()
-                       if token is not None and token not in vocab]:
-            raise ValueError(f"the {CONFIG_FILE} beside {source} names {', '.join(missing)}, "
-                             f"which the tokenizer does not have: correct it in {CONFIG_FILE}")
-        ids = {key: None if token is None else vocab[token]
-               for key, token in self.special_tokens.items()}
-        if ids["eos_token"] is None:
-            raise ValueError(
-                f"{source} has no end-of-document token that cem_jax can find (none of its "
-                f"special tokens is {', '.join(EOS_TOKENS)}, and no {CONFIG_FILE} beside it "
-                f"names an eos_token): write {{\"eos_token\": \"<its EOS token>\"}} into a "
-                f"{CONFIG_FILE} beside it")
+        special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()
+                   if t.special}
+        self.special_tokens = _special_tokens(special_tokens or {}, special, vocab, source)
+        ids = {key: vocab.get(token) for key, token in self.special_tokens.items()}
         self.eos_id, self.bos_id = ids["eos_token"], ids["bos_token"]
         self.pad_id = self.eos_id if ids["pad_token"] is None else ids["pad_token"]
         self.unk_id = _unknown_id(json.loads(data).get("model") or {}, vocab)
@@ -229,21 +212,6 @@ class HuggingFaceTokenizer(Tokenizer):
             self.special_tokens, sort_keys=True).encode()).hexdigest()
         self._dropped = {i for i in (*ids.values(), self.unk_id) if i is not None} | set(
             special.values())
-
-    @staticmethod
-    def _special_token(key: str, given: Mapping[str, object], special: dict[str, int],
-                       source: str) -> str | None:
-        """The text of special token `key`: as `given` (a string, {"content": ...} or None),
-        else the first of its `FALLBACK_NAMES` among the `special` added tokens, else None."""
-        if key not in given:
-            return next((name for name in FALLBACK_NAMES[key] if name in special), None)
-        value = given[key]
-        if isinstance(value, dict):
-            value = value.get("content")
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"{key} = {given[key]!r} in the {CONFIG_FILE} of {source} is not "
-                             f"a token's text (a string or {{\"content\": ...}})")
-        return value
 
     def encode_batch(self, texts: Sequence[str], num_threads: int | None = None
                      ) -> list[list[int]]:
@@ -273,6 +241,46 @@ class HuggingFaceTokenizer(Tokenizer):
         """tokenizer.json (`data`) and a tokenizer_config.json naming its special tokens."""
         return {self.file_name: self.data,
                 CONFIG_FILE: (json.dumps(self.special_tokens, indent=2) + "\n").encode()}
+
+
+def _backend(data: bytes, source: str) -> tokenizers.Tokenizer:
+    """The `tokenizers` library's tokenizer of tokenizer.json `data`, set to read special-token
+    text as text. Raises ValueError naming `source` when the library cannot read it."""
+    try:
+        backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as err:  # the library raises plain Exception
+        raise ValueError(f"{source} is neither a Hugging Face tokenizer.json that the "
+                         f"tokenizers library reads ({err}) nor a sentencepiece model") from None
+    backend.encode_special_tokens = True
+    return backend
+
+
+def _special_tokens(given: Mapping[str, object], special: dict[str, int],
+                    vocab: dict[str, int], source: str) -> dict[str, str | None]:
+    """{key: text or None} for each of SPECIAL_KEYS: as `given` (a tokenizer_config.json's
+    string, {"content": ...} or None), else the first of its `FALLBACK_NAMES` among the
+    `special` added tokens, else None. Raises ValueError when a given token is not in `vocab`
+    or there is no EOS (the message says how to name it)."""
+    chosen = {}
+    for key in SPECIAL_KEYS:
+        value = given.get(key) if key in given else next(
+            (name for name in FALLBACK_NAMES[key] if name in special), None)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{key} = {given[key]!r} in the {CONFIG_FILE} of {source} is not "
+                             f"a token's text (a string or {{\"content\": ...}})")
+        chosen[key] = value
+    if missing := [f"{k} {t!r}" for k, t in chosen.items() if t is not None and t not in vocab]:
+        raise ValueError(f"the {CONFIG_FILE} beside {source} names {', '.join(missing)}, which "
+                         f"the tokenizer does not have: correct it in {CONFIG_FILE}")
+    if chosen["eos_token"] is None:
+        raise ValueError(
+            f"{source} has no end-of-document token that cem_jax can find (none of its special "
+            f"tokens is {', '.join(EOS_TOKENS)}, and no {CONFIG_FILE} beside it names an "
+            f"eos_token): write {{\"eos_token\": \"<its EOS token>\"}} into a {CONFIG_FILE} "
+            f"beside it")
+    return chosen
 
 
 def _unknown_id(model: dict, vocab: dict[str, int]) -> int | None:
