@@ -84,5 +84,5 @@ def test_a_padded_model_trains_samples_and_resumes_on_a_tokenizer_json(tiny_over
         vocab_size=tok.vocab_size))
     assert out.tokens.max() < 400
     # started again: a vocab field beside a given tokenizer does not change the tokens
-    again = train(load_config(None, [*args, "data.vocab_size=448"]))
+    again = train(load_config(None, [*args, "data.vocab_size=448", "run.sample_tokens=0"]))
     assert again["step"] == 2 and again["eval"]["loss"] == summary["eval"]["loss"]
