@@ -70,7 +70,7 @@ def main():
     configs = {name: load_config(args.config, [*args.overrides, *extra])
                for name, extra in names.items()}
     data = configs[baseline].data
-    B, T, V = data.batch_size, data.seq_len, data.vocab_size
+    B, T, V = data.batch_size, data.seq_len, configs[baseline].model.vocab_size
     tokens = np.random.default_rng(0).integers(4, V, (B, T + 1)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "segment_ids": np.ones((B, T), np.int32),

@@ -1,5 +1,6 @@
-"""Load what a training run left: `RUN_DIR/config.yaml`, `RUN_DIR/tokenizer.model` and the
-parameters of one checkpoint `RUN_DIR/checkpoints/<step>/state` (written by
+"""Load what a training run left: `RUN_DIR/config.yaml`, its tokenizer (`RUN_DIR/tokenizer.model`,
+or `tokenizer.json` beside `tokenizer_config.json`: `find_tokenizer`) and the parameters of
+one checkpoint `RUN_DIR/checkpoints/<step>/state` (written by
 `cem_jax.train.checkpoint.Checkpointer`).
 
     run = load_run("runs/cem")             # newest checkpoint
@@ -24,6 +25,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from cem_jax.data import Tokenizer, load_tokenizer
+from cem_jax.data.tokenizer import find_tokenizer
 from cem_jax.model import CEMTransformer, model_from_params
 from cem_jax.train.checkpoint import (
     Checkpointer,
@@ -69,17 +71,21 @@ def load_run(run_dir: str | Path, step: int | None = None) -> Run:
     """Load config, tokenizer and the parameters of checkpoint `step` (None: the newest).
 
     Raises:
-      RunDirError: no config.yaml, tokenizer.model or checkpoint (or no checkpoint `step`).
+      RunDirError: no config.yaml, tokenizer or checkpoint (or no checkpoint `step`).
       CheckpointError: the checkpoint cannot be read (corrupt, partial, other config), or the
-        run's tokenizer.model is not the one the checkpoint was trained with.
-      ValueError: config.yaml is invalid.
+        run's tokenizer is not the one the checkpoint was trained with.
+      ValueError: config.yaml is invalid, or the tokenizer has more ids than the model.
     """
     run_dir = Path(run_dir)
-    for name in ("config.yaml", "tokenizer.model"):
-        if not (run_dir / name).is_file():
-            raise RunDirError(f"{run_dir / name} is missing: {run_dir} is not a run directory")
+    if not (run_dir / "config.yaml").is_file():
+        raise RunDirError(f"{run_dir / 'config.yaml'} is missing: {run_dir} is not a run "
+                          f"directory")
+    try:
+        tokenizer_path = find_tokenizer(run_dir)
+    except FileNotFoundError as err:
+        raise RunDirError(str(err)) from None
     cfg = load_config(run_dir / "config.yaml")
-    tokenizer = load_tokenizer(run_dir / "tokenizer.model", cfg.model.vocab_size)
+    tokenizer = load_tokenizer(tokenizer_path, cfg.model.vocab_size)
     steps = available_steps(run_dir)
     if not steps:
         raise RunDirError(f"{run_dir / 'checkpoints'} holds no checkpoint")
@@ -88,8 +94,8 @@ def load_run(run_dir: str | Path, step: int | None = None) -> Run:
         raise RunDirError(f"{run_dir} has no checkpoint of step {step} (it has {steps})")
     params, meta = _restore_params(run_dir / "checkpoints", step, cfg)
     if meta.get("tokenizer_sha256") != tokenizer.sha256:
-        raise CheckpointError(f"{run_dir / 'tokenizer.model'} is not the tokenizer checkpoint "
-                              f"{step} was trained with (SHA-256 differs)")
+        raise CheckpointError(f"{tokenizer_path} is not the tokenizer checkpoint {step} was "
+                              f"trained with (SHA-256 differs)")
     return Run(run_dir, cfg, tokenizer, step, params)
 
 
@@ -138,14 +144,14 @@ def _restore_params(directory: Path, step: int, cfg: TrainConfig) -> tuple[dict,
 
 def write_run(directory: str | Path, cfg: TrainConfig, params: dict, tokenizer: Tokenizer,
               step: int = 0) -> Path:
-    """Write a run directory that `load_run` reads and `cem-train` resumes: config.yaml,
-    tokenizer.model and checkpoint `step` holding `params` (a model's pure dict), a fresh
-    optimizer state and the step. Raises ValueError if `params` do not
-    fit `cfg.model`."""
+    """Write a run directory that `load_run` reads and `cem-train` resumes: config.yaml, the
+    tokenizer's files (`Tokenizer.files`) and checkpoint `step` holding `params` (a model's
+    pure dict), a fresh optimizer state and the step. Raises ValueError
+    if `params` do not fit `cfg.model`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model_from_params(cfg.model, params)  # checks names, shapes and dtypes
-    tokenizer.save(directory / "tokenizer.model")
+    tokenizer.save(directory / tokenizer.file_name)
     save_config(cfg, directory / "config.yaml")
     params = jax.tree.map(jnp.asarray, params)
     state = {"params": params, "opt_state": make_optimizer(cfg.optimizer, cfg.run.steps)

@@ -39,7 +39,9 @@ class SamplingConfig:
 
     `eos_id` is the end-of-document token (None: the text has no documents): an EOS starts a
     new document, in the prompts and in what is generated. Generation stops at
-    `max_new_tokens`, or, with `stop_at_eos`, once every row has produced an EOS."""
+    `max_new_tokens`, or, with `stop_at_eos`, once every row has produced an EOS.
+    `vocab_size`: the tokenizer's; ids at or above it (a model's vocabulary padded past its
+    tokenizer's) are never chosen (None: every id of the model)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.8
@@ -49,6 +51,7 @@ class SamplingConfig:
     stop_at_eos: bool = True
     pad_id: int = 0
     seed: int = 0
+    vocab_size: int | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -60,6 +63,8 @@ class SamplingConfig:
             raise ValueError(f"top_k = {self.top_k} must be >= 0 (0 = no limit)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p} must be in (0, 1]")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size = {self.vocab_size} must be at least 1 (or None)")
 
 
 def choose(logits: Array, key: Array, temperature: Array, top_k: Array, top_p: Array
@@ -83,7 +88,8 @@ def choose(logits: Array, key: Array, temperature: Array, top_k: Array, top_p: A
 class Generation:
     """Output of `generate`: `tokens` int32 [B,N] (pad after a row's EOS or its end),
     `lengths` int [B] (new tokens per row, EOS included), `logits` fp32 [B,N,V] (the
-    distribution each new token was drawn from, when asked for) and the `cache` bytes."""
+    distribution each new token was drawn from, when asked for: -inf at ids masked by
+    `SamplingConfig.vocab_size`) and the `cache` bytes."""
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -95,12 +101,14 @@ def _decode(params, prompts, positions, lengths, options, cfg: ModelConfig, max_
             keep_logits: bool):
     """The decode loop (compiled by `_compiled`) of prompts int32 [B,P] at `positions` [B,P]
     with real `lengths` [B]; options = (temperature, top_k, top_p, eos_id
-    or -1, stop_at_eos, pad_id, seed) as traced scalars, so that changing them does not
-    recompile."""
-    temperature, top_k, top_p, eos_id, stop_at_eos, pad_id, seed = options
+    or -1, stop_at_eos, pad_id, seed, vocab_size) as traced scalars, so that changing them
+    does not recompile."""
+    temperature, top_k, top_p, eos_id, stop_at_eos, pad_id, seed, vocab_size = options
 
     def model(tokens, positions, cache):  # built where it runs (NNX modules hold no outer tracer)
-        return model_from_params(cfg, params)(tokens, positions, cache=cache)
+        logits, cache = model_from_params(cfg, params)(tokens, positions, cache=cache)
+        valid = jnp.arange(logits.shape[-1]) < vocab_size  # ids the tokenizer has
+        return jnp.where(valid, logits, -jnp.inf), cache
 
     B, P = prompts.shape
     N = max_new_tokens
@@ -151,7 +159,8 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     sharding, so that every process can read the tokens). Positions are those of training
     (restarting at 0 at each EOS of `sampling.eos_id`) and may run past the training
     sequence length: RoPE has no table limit, but the model never saw such positions.
-    Raises ValueError for an empty prompt or a token outside the vocabulary, and
+    Raises ValueError for an empty prompt, a token outside the vocabulary or a
+    `sampling.vocab_size` larger than the model's, and
     `cem_jax.memory.DoesNotFit` (a ValueError) before compiling when the decode cache alone
     would exceed the device's memory.
     """
@@ -161,9 +170,12 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     ids = np.full((len(prompts), int(lengths.max())), sampling.pad_id, np.int32)
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = p
+    s = sampling
+    if s.vocab_size is not None and s.vocab_size > cfg.vocab_size:
+        raise ValueError(f"sampling vocab_size = {s.vocab_size} is more than the model's "
+                         f"vocab_size = {cfg.vocab_size}")
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size})")
-    s = sampling
     bytes_ = cache_bytes(jax.eval_shape(lambda: init_cache(cfg, len(prompts),
                                                            ids.shape[1] + s.max_new_tokens)))
     check_fits(bytes_ + (len(prompts) * s.max_new_tokens * cfg.vocab_size * 4 if keep_logits
@@ -172,7 +184,8 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
                "new tokens (cem-sample --max-new-tokens) or of prompts")
     options = (np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p),
                np.int32(-1 if s.eos_id is None else s.eos_id), np.bool_(s.stop_at_eos),
-               np.int32(s.pad_id), np.uint32(s.seed))
+               np.int32(s.pad_id), np.uint32(s.seed),
+               np.int32(cfg.vocab_size if s.vocab_size is None else s.vocab_size))
     tokens, logits, steps = jax.device_get(_compiled(out_sharding)(
         params, ids, document_positions(ids, s.eos_id), lengths, options, cfg,
         s.max_new_tokens, keep_logits))
@@ -224,7 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = run.tokenizer
     try:
         sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                                  tok.eos_id, not args.no_stop_at_eos, tok.pad_id, args.seed)
+                                  tok.eos_id, not args.no_stop_at_eos, tok.pad_id, args.seed,
+                                  vocab_size=tok.vocab_size)
     except ValueError as err:
         print(f"cem-sample: {err}", file=sys.stderr)
         return 2

@@ -46,3 +46,26 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
         return (math.log(math.e - 1) if name == "rho" else 0.0) + 0.3 * noise
 
     return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+BPE_SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")  # ids 0 and 1 of `train_byte_level_bpe`'s
+
+
+def train_byte_level_bpe(texts: list[str], vocab_size: int, path) -> None:
+    """Write to `path` a GPT-2-style byte-level BPE tokenizer.json of exactly `vocab_size` ids
+    trained offline on `texts` with the `tokenizers` library: BPE_SPECIAL_TOKENS, the 256 byte
+    symbols, then merges (no normalizer, no prefix space: it encodes any text losslessly)."""
+    import itertools
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    words = sorted({w.strip(".,\n").lower() for t in texts for w in t.split()})[:16]
+    pairs = " ".join(a + b for a, b in itertools.product(words, words))  # merges to learn
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator([*texts, pairs], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(BPE_SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tokenizer.get_vocab_size() == vocab_size, tokenizer.get_vocab_size()
+    tokenizer.save(str(path))

@@ -1,8 +1,9 @@
-"""Text in: corpora, tokenizers, tokenized datasets and the batches of a step (DESIGN.md §4).
+"""Text in: corpora, tokenizers (sentencepiece or a Hugging Face tokenizer.json), tokenized
+datasets and the batches of a step (DESIGN.md §4).
 
-    cfg = DataConfig(seq_len=256, batch_size=32)        # default corpus: Shakespeare
+    cfg = DataConfig(vocab_size=2048, seq_len=256, batch_size=32)  # default corpus: Shakespeare
     tokenizer = build_tokenizer(cfg)                     # trained on the training works
-    tokenizer.save(run_dir / tokenizer.file_name)
+    tokenizer.save(run_dir / tokenizer.file_name)        # (or data.tokenizer=PATH: loaded)
     batches = make_train_iterator(cfg, tokenizer, first_step=0)   # {"inputs", "targets",
     batch = next(batches)                                # "segment_ids", "positions"}: [B/P, T]
     for batch in make_eval_batches(cfg, tokenizer):      # + "weights" float32 [B/P, T]
@@ -23,6 +24,8 @@ _EXPORTS = {
     "DataConfig": "config", "Document": "formats", "FetchError": "shakespeare",
     "HELD_OUT_WORKS": "shakespeare", "MILTON_WORKS": "shakespeare",
     "fetch_archive": "shakespeare", "Source": "sources", "Tokenizer": "tokenizer",
+    "HuggingFaceTokenizer": "tokenizer", "SentencePieceTokenizer": "tokenizer",
+    "check_fits": "tokenizer", "find_tokenizer": "tokenizer",
     "load_tokenizer": "tokenizer", "train_tokenizer": "tokenizer", "BOS_ID": "tokenizer",
     "EOS_ID": "tokenizer", "PAD_ID": "tokenizer", "UNK_ID": "tokenizer",
     "DatasetError": "shards", "tokenize_dataset": "tokenize", "SplitStats": "pipeline",

@@ -7,29 +7,31 @@ inspect what the model will see.
         data.tokenizer=gs://b/tokenizer.json data.val_fraction=0.001 --out gs://b/tokens/fineweb
     cem-data tokenize ... --out gs://b/tokens/fineweb --part 3/8   # machine 3 of 8
     cem-data verify gs://b/tokens/fineweb                           # every shard's checksum
+    cem-data tokenize --tokenizer llama3/tokenizer.json   # a Hugging Face tokenizer instead
     cem-data inspect --config configs/shakespeare_cem.yaml data.batch_size=4  # what a run sees
 
 The data section is read as `cem-train` reads it: `--config FILE` (its `base:` chain included;
 default: all defaults), then `data.key=value` overrides. Every `DataConfig` field is also an
 option (`--corpus data/*.txt`, `--cache-dir DIR`, ...), applied last. A run then names the
-dataset: `data.corpus=DIR` (it tokenizes nothing).
+dataset: `data.corpus=DIR` (it tokenizes nothing). A tokenizer to train without a
+`data.vocab_size` gets the config's `model.vocab_size`, as in `cem-train`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from cem_jax.config import load_section
+from cem_jax.config import ModelConfig, load_section
 from cem_jax.data import shakespeare, shards
-from cem_jax.data.config import DataConfig
+from cem_jax.data.config import DataConfig, with_vocab_size
 from cem_jax.data.pipeline import (
     build_tokenizer,
     cache_dataset_root,
@@ -50,8 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(DataConfig)
                if hasattr(args, f.name)}  # only those given (their default is SUPPRESS)
     try:
-        cfg = load_section(DataConfig, "data", args.config, args.overrides)
-        return args.command(dataclasses.replace(cfg, **options), args) or 0
+        cfg = dataclasses.replace(load_section(DataConfig, "data", args.config, args.overrides),
+                                  **options)
+        if cfg.tokenizer is None and cfg.vocab_size is None:  # the model section's, as cem-train
+            cfg = with_vocab_size(cfg, load_section(ModelConfig, "model", args.config).vocab_size)
+        return args.command(cfg, args) or 0
     except (ValueError, FileNotFoundError, shakespeare.FetchError) as err:
         print(f"cem-data {args.command.__name__}: error: {err}", file=sys.stderr)
         return 1
@@ -78,12 +83,12 @@ def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
 
 def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
     """Tokenize the corpus once into a dataset (--out DIR, or the cache as cem-train would)."""
-    if args.save_tokenizer and os.path.exists(args.save_tokenizer):
-        raise ValueError(f"{args.save_tokenizer} exists (a run's tokenizer must match its "
-                         f"checkpoints): choose a new --save-tokenizer path")
+    save = [Path(args.save_tokenizer)] if args.save_tokenizer else []
+    _refuse_existing(save)  # before a tokenizer is trained
     tokenizer = build_tokenizer(cfg)
-    if args.save_tokenizer:
-        print(f"tokenizer saved to {tokenizer.save(args.save_tokenizer)}")
+    if save:
+        _refuse_existing(tokenizer.saved_paths(save[0]))  # a tokenizer_config.json beside
+        print(f"tokenizer saved to {tokenizer.save(save[0])}")
     if args.out is None and args.part == (0, 1):
         start = time.perf_counter()
         _print_counts(cfg, tokenizer)  # each split tokenized as cem-train would
@@ -108,6 +113,13 @@ def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
         print(f"{name}: {len(split)} shards, {sum(s.documents for s in split):,} documents, "
               f"{tokens:,} tokens")
     print(f"dataset {root} ({seconds:.1f} s): train with data.corpus={root}")
+
+
+def _refuse_existing(paths: list[Path]) -> None:
+    """ValueError naming the first of `paths` that exists (--save-tokenizer writes new files)."""
+    if taken := [p for p in paths if p.exists()]:
+        raise ValueError(f"{taken[0]} exists (a run's tokenizer must match its checkpoints): "
+                         f"choose a new --save-tokenizer path")
 
 
 def verify(cfg: DataConfig, args: argparse.Namespace) -> int:
@@ -140,9 +152,9 @@ def inspect(cfg: DataConfig, args: argparse.Namespace) -> None:
 
 
 def _print_counts(cfg: DataConfig, tokenizer: Tokenizer) -> None:
-    print(f"tokenizer: vocab {tokenizer.vocab_size}, SHA-256 {tokenizer.sha256[:16]}…, "
-          f"pad {tokenizer.pad_id}, unk {tokenizer.unk_id}, bos {tokenizer.bos_id}, "
-          f"eos {tokenizer.eos_id}")
+    print(f"tokenizer: {tokenizer.kind}, vocab {tokenizer.vocab_size}, SHA-256 "
+          f"{tokenizer.sha256[:16]}…, pad {tokenizer.pad_id}, unk {tokenizer.unk_id}, "
+          f"bos {tokenizer.bos_id}, eos {tokenizer.eos_id}")
     print(f"{'split':<11}{'documents':>10}{'UTF-8 bytes':>14}{'tokens':>12}{'bytes/token':>13}"
           "  source")
     builtin = ("milton",) if cfg.corpus == "shakespeare" else ()
@@ -186,7 +198,8 @@ def _parser() -> argparse.ArgumentParser:
             _add_option(sub, field)
         if command is tokenize:
             sub.add_argument("--save-tokenizer", metavar="PATH",
-                             help="also write the tokenizer model to PATH (a new file)")
+                             help="also write the tokenizer to PATH (a new file; for a "
+                                  "tokenizer.json also tokenizer_config.json beside it)")
             sub.add_argument("--out", metavar="DIR", help="tokenize the corpus (and the "
                              "documents data.val_fraction holds out) into the dataset folder "
                              "DIR, local or gs://; a run then names it as data.corpus=DIR")

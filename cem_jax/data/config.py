@@ -39,9 +39,15 @@ class DataConfig:
       tokens (null: all of it); the same documents in every run of the config.
     text_column: the field of a JSONL object, or the column of a Parquet file, holding a
       document's text.
-    tokenizer: path of a sentencepiece `tokenizer.model`; None trains a BPE tokenizer on the
+    tokenizer: path (or URL) of a tokenizer file: a sentencepiece `.model` or a Hugging Face
+      `tokenizer.json` (`cem_jax.data.tokenizer`; its special tokens from a
+      `tokenizer_config.json` beside it); None: the tokenizer of the dataset `corpus` names,
+      or a sentencepiece BPE tokenizer trained on the
       training split (cached in `cache_dir/tokenizers/`).
-    vocab_size: V, must equal the tokenizer's vocabulary and the model's `vocab_size`.
+    vocab_size: the size of the tokenizer trained when `tokenizer` is None (None: the model's
+      `vocab_size`, filled in by cem-train and cem-data, `with_vocab_size`); unused when a
+      tokenizer is given. The model's vocabulary (`model.vocab_size`) holds the tokenizer's
+      ids: it may be larger (padded), never smaller.
     seq_len: T, tokens per row. batch_size: B, rows per step over all processes (global).
     seed: shuffle seed in [0, 2**32). num_threads / prefetch: grain read threads and the number
       of batches prefetched per process.
@@ -58,7 +64,7 @@ class DataConfig:
     val_tokens: int | None = None
     text_column: str = "text"
     tokenizer: str | None = None
-    vocab_size: int = 2048
+    vocab_size: int | None = None
     seq_len: int = 256
     batch_size: int = 32
     seed: int = 0
@@ -89,8 +95,9 @@ class DataConfig:
             value = getattr(self, name)
             require(value is None or (isinstance(value, str) and value.strip() != ""), name,
                      value, "null or a non-empty string")
-        require(_is_int(self.vocab_size) and self.vocab_size >= MIN_VOCAB_SIZE, "vocab_size",
-                 self.vocab_size, f"an integer >= {MIN_VOCAB_SIZE}")
+        require(self.vocab_size is None or (_is_int(self.vocab_size)
+                                             and self.vocab_size >= MIN_VOCAB_SIZE),
+                "vocab_size", self.vocab_size, f"null or an integer >= {MIN_VOCAB_SIZE}")
         require(_is_int(self.seq_len) and self.seq_len >= 2, "seq_len", self.seq_len,
                 "an integer >= 2 (a token and the next one to predict)")
         require(_is_int(self.batch_size) and self.batch_size >= 1, "batch_size",
@@ -113,6 +120,28 @@ class DataConfig:
                 "val_tokens", self.val_tokens, "a positive integer or null")
         require(isinstance(self.text_column, str) and self.text_column.strip() != "",
                 "text_column", self.text_column, "a non-empty string")
+
+
+def with_vocab_size(cfg: DataConfig, model_vocab_size: int) -> DataConfig:
+    """`cfg`, with the size of the tokenizer it trains set to `model_vocab_size` (the model's
+    vocabulary) when it trains one and leaves `vocab_size` None. Raises ValueError when that
+    size is too small for a tokenizer trained here."""
+    if cfg.tokenizer is not None or cfg.vocab_size is not None:
+        return cfg
+    if model_vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"model.vocab_size = {model_vocab_size} is smaller than the least "
+                         f"tokenizer trained here ({MIN_VOCAB_SIZE} pieces; data.tokenizer is "
+                         f"null): raise model.vocab_size, or give a tokenizer as data.tokenizer")
+    return dataclasses.replace(cfg, vocab_size=model_vocab_size)
+
+
+def token_stream_fields(cfg: DataConfig) -> dict[str, Any]:
+    """The fields of `cfg` that choose the tokens a run sees: all but `NOT_IN_TOKEN_STREAM`, and
+    `vocab_size` only when the tokenizer is trained (a given tokenizer's own size counts)."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_TOKEN_STREAM}
+    if cfg.tokenizer is not None:
+        del fields["vocab_size"]
+    return fields
 
 
 def _is_int(value: Any) -> bool:

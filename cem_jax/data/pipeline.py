@@ -119,25 +119,38 @@ def is_dataset(spec: str) -> bool:
         files.join(spec, shards.MANIFEST))
 
 
-def build_tokenizer(cfg: DataConfig) -> Tokenizer:
-    """The tokenizer of `cfg`: `cfg.tokenizer` loaded; the tokenizer of the dataset `cfg.corpus`
-    names; or a BPE model of `cfg.vocab_size` pieces trained on the training split (cached
-    under `cache_dir/tokenizers/`, keyed by the split's fingerprint). Save it with the run.
+def build_tokenizer(cfg: DataConfig, model_vocab_size: int | None = None) -> Tokenizer:
+    """The tokenizer of `cfg`: `cfg.tokenizer` loaded (a sentencepiece model or a Hugging Face
+    tokenizer.json, `load_tokenizer`); the tokenizer of the dataset `cfg.corpus` names; or a
+    sentencepiece BPE model of `cfg.vocab_size` pieces trained on the training split (cached
+    under `cache_dir/tokenizers/`, keyed by the split's fingerprint). Save it with the run:
+    `tok.save(run_dir / tok.file_name)`.
 
+    model_vocab_size: the vocabulary of the model it is for, which must hold every id of a
+      loaded tokenizer (`check_fits`; None: unchecked).
     Raises FileNotFoundError / ValueError as `load_tokenizer`, `train_tokenizer` and
-    `source_of` do.
+    `source_of` do, and ValueError when a tokenizer is to be trained and `cfg.vocab_size` is
+    None.
     """
     if cfg.tokenizer:
-        return load_tokenizer(cfg.tokenizer)
+        return load_tokenizer(cfg.tokenizer, model_vocab_size)
     if is_dataset(cfg.corpus):
         manifest = shards.read_manifest(cfg.corpus)
-        return load_tokenizer(files.join(cfg.corpus, manifest.tokenizer["file"]))
+        return load_tokenizer(files.join(cfg.corpus, manifest.tokenizer["file"]),
+                              model_vocab_size)
+    if cfg.vocab_size is None:
+        raise ValueError("data.vocab_size is null and data.tokenizer is null: set "
+                         "data.vocab_size to the size of the tokenizer to train (cem-train "
+                         "takes model.vocab_size), or give a tokenizer as data.tokenizer")
     source = source_of(cfg, "train")
     key = _hash([TRAINER_VERSION, source.fingerprint(), cfg.vocab_size])
     path = files.join(cache_root(cfg), "tokenizers", f"bpe{cfg.vocab_size}-{key[:16]}.model")
     if files.is_file(path):
         try:
-            return load_tokenizer(path)
+            tokenizer = load_tokenizer(path)
+            if tokenizer.vocab_size == cfg.vocab_size:
+                return tokenizer
+            raise ValueError(f"{tokenizer.vocab_size} pieces, not {cfg.vocab_size}")
         except ValueError as err:
             warnings.warn(f"cached tokenizer unusable ({err}); training it again", stacklevel=2)
     return train_tokenizer((doc.text for doc in source.documents()), cfg.vocab_size, path)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from cem_jax.data import files, shards
 from cem_jax.data.shards import DatasetError, Manifest, Shard, ShardWriter
 from cem_jax.data.sources import Source, Unit
-from cem_jax.data.tokenizer import Tokenizer, tokenizer_from_bytes
+from cem_jax.data.tokenizer import Tokenizer, tokenizer_from_files
 
 ENCODE_BATCH_CHARS = 1 << 22  # characters handed to the tokenizer at once
 
@@ -70,8 +70,8 @@ def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
     index, count = part
     todo = [u for u in units[index::count]
             if shards.read_unit_record(root, u.index, identity) is None]
-    job = functools.partial(_tokenize_unit, root, source, tokenizer.data, identity,
-                            held_out_fraction)
+    job = functools.partial(_tokenize_unit, root, source, tuple(tokenizer.files().items()),
+                            identity, held_out_fraction)
     workers = min(workers or os.cpu_count() or 1, max(len(todo), 1))
     if workers == 1:
         for unit in todo:
@@ -103,10 +103,11 @@ def _in_processes(job: Callable, units: list[Unit], workers: int,
             raise
 
 
-def _tokenize_unit(root: str, source: Source, tokenizer_data: bytes, identity: str,
-                   held_out_fraction: float, unit: Unit, threads: int | None) -> None:
+def _tokenize_unit(root: str, source: Source, tokenizer_files: tuple[tuple[str, bytes], ...],
+                   identity: str, held_out_fraction: float, unit: Unit,
+                   threads: int | None) -> None:
     """Tokenize one unit: its shards, then its record (the unit is finished once it exists)."""
-    tokenizer = _tokenizer(tokenizer_data)
+    tokenizer = _tokenizer(tokenizer_files)
     dtype = shards.token_dtype(tokenizer.vocab_size)
     pending: list[tuple[int, str]] = []
 
@@ -133,8 +134,8 @@ def _tokenize_unit(root: str, source: Source, tokenizer_data: bytes, identity: s
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(data: bytes) -> Tokenizer:
-    return tokenizer_from_bytes(data)
+def _tokenizer(contents: tuple[tuple[str, bytes], ...]) -> Tokenizer:
+    return tokenizer_from_files(dict(contents))
 
 
 def _held_out(unit: int, document: int, fraction: float) -> bool:
@@ -152,7 +153,8 @@ def _write_manifest(root: str, source: Source, tokenizer: Tokenizer, held_out_fr
     if not any(splits.values()):
         raise ValueError(f"{source.description} is empty: it holds no text")
     tokenizer_file = tokenizer.file_name
-    files.write_bytes(files.join(root, tokenizer_file), tokenizer.data)
+    for name, content in tokenizer.files().items():
+        files.write_bytes(files.join(root, name), content)
     manifest = Manifest(
         root, identity, {"spec": source.spec, "description": source.description,
                          "fingerprint": source.fingerprint()},

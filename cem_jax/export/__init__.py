@@ -1,7 +1,8 @@
 """Carry a trained model to other tools (DESIGN.md §4), and bring Llama weights in.
 
-    safetensors  every parameter under a stable name (`names`), config.json, tokenizer.model;
-                 `load_safetensors` gives back the same model (`cem_jax.export.safetensors_io`)
+    safetensors  every parameter under a stable name (`names`), config.json, the run's
+                 tokenizer files; `load_safetensors` gives back the same model and tokenizer
+                 (`cem_jax.export.safetensors_io`)
     hf-llama     a `transformers.LlamaForCausalLM` directory, baseline models only (`hf_llama`)
     hf           any CEM variant as a Hugging Face directory with its own PyTorch modeling code
                  (`hf`, `hf_template/`), loaded with `trust_remote_code=True`

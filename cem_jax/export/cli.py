@@ -31,21 +31,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
     parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
+    from cem_jax.data import find_tokenizer
     from cem_jax.export import hf, hf_llama, safetensors_io
     from cem_jax.export.output import ExportError, check_destination
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
     from cem_jax.train.checkpoint import CheckpointError
 
     quiet_checkpoint_logs()
-    writers = {"safetensors": (safetensors_io.export_safetensors, safetensors_io.FILES),
-               "hf-llama": (hf_llama.export_hf_llama, hf_llama.FILES),
-               "hf": (hf.export_hf, hf.FILES)}
+    writers = {"safetensors": (safetensors_io.export_safetensors, safetensors_io.files),
+               "hf-llama": (hf_llama.export_hf_llama, hf_llama.files),
+               "hf": (hf.export_hf, hf.files)}
     write, files = writers[args.format]
     try:
-        check_destination(args.out, args.overwrite, args.run, files)  # before the slow restore
+        check_destination(args.out, args.overwrite, args.run,  # before the slow restore
+                          files(find_tokenizer(args.run).name))
         run = load_run(args.run, args.step)
-        out = write(run.params, run.config.model, run.tokenizer.model_proto, args.out,
-                    args.overwrite)
+        out = write(run.params, run.config.model, run.tokenizer, args.out, args.overwrite)
     except (ExportError, CheckpointError, FileNotFoundError, FileExistsError,
             ValueError) as err:
         print(f"cem-export: error: {err}", file=sys.stderr)
@@ -59,18 +60,19 @@ def import_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cem-import", description="Turn a Hugging Face Llama "
                                      "checkpoint into a cem_jax baseline run directory.")
     parser.add_argument("--hf", required=True, help="Hugging Face Llama directory "
-                        "(config.json, safetensors weights, tokenizer.model)")
+                        "(config.json, safetensors weights, tokenizer.model or tokenizer.json)")
     parser.add_argument("--out", required=True, help="run directory to create")
     parser.add_argument("--config", help="YAML config for the data/optimizer/run sections (the "
                         "model's architecture is the Llama's)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
-    from cem_jax.export.importer import FILES, import_llama
+    from cem_jax.data import find_tokenizer
+    from cem_jax.export.importer import files, import_llama
     from cem_jax.export.output import ExportError, check_destination
 
     try:
-        check_destination(args.out, args.overwrite, args.hf, FILES)
+        check_destination(args.out, args.overwrite, args.hf, files(find_tokenizer(args.hf).name))
         out = import_llama(args.hf, args.out, args.config, args.overrides, args.overwrite)
     except (ExportError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"cem-import: error: {err}", file=sys.stderr)

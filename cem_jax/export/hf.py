@@ -6,15 +6,17 @@ code, the ecosystem's way of shipping a new architecture:
     modeling_cem.py          `CEMForCausalLM`: an independent PyTorch implementation of
                              DESIGN.md §1 (full score matrices, no cache)
     model.safetensors        the tensors under the names of the safetensors export
-    generation_config.json   special ids, use_cache false
-    tokenizer.model, tokenizer_config.json   (`hf_tokenizer`: prompts start with EOS, as in
-                                              training and cem-sample)
+    generation_config.json   special ids, use_cache false, the ids of a padded vocabulary as
+                             suppress_tokens
+    tokenizer.model or tokenizer.json, tokenizer_config.json   (`hf_tokenizer`: the run's
+                             tokenizer; prompts start with EOS, as in training and cem-sample)
 
 Load both with `trust_remote_code=True` (only for directories you trust: it runs the shipped
 Python): `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` and
 `AutoTokenizer.from_pretrained(dir, trust_remote_code=True)` (the tokenizer is a plain
-`LlamaTokenizer`, but transformers reads config.json and its `auto_map` first: without the flag
-it asks whether to run the code and warns that a `cem` config was read as another type).
+`LlamaTokenizer` or `PreTrainedTokenizerFast`, but transformers reads config.json and its
+`auto_map` first: without the flag it asks whether to run the code and warns that a `cem`
+config was read as another type).
 """
 
 from __future__ import annotations
@@ -25,16 +27,21 @@ from importlib import resources
 from pathlib import Path
 
 from cem_jax.config import ModelConfig
-from cem_jax.export.hf_tokenizer import TOKENIZER_FILES, write_tokenizer
+from cem_jax.data import Tokenizer
+from cem_jax.export.hf_tokenizer import suppress_padded, tokenizer_files, write_tokenizer
 from cem_jax.export.output import ExportError, file_in, staged_dir
 from cem_jax.export.safetensors_io import WEIGHTS, write_weights
 
 TEMPLATE_FILES = ("configuration_cem.py", "modeling_cem.py")
-# What the export writes.
-FILES = (*TOKENIZER_FILES, "config.json", "generation_config.json", *TEMPLATE_FILES, WEIGHTS)
 # ModelConfig fields that choose an implementation or a layout, not the function computed.
 IMPLEMENTATION_FIELDS = ("impl", "attention_block", "dtype", "param_dtype", "scan_layers",
                          "remat")
+
+
+def files(tokenizer_file: str) -> tuple[str, ...]:
+    """What the export of a run whose tokenizer is `tokenizer_file` writes."""
+    return (*tokenizer_files(tokenizer_file), "config.json", "generation_config.json",
+            *TEMPLATE_FILES, WEIGHTS)
 
 
 def hf_config(cfg: ModelConfig, ids: dict) -> dict:
@@ -47,20 +54,22 @@ def hf_config(cfg: ModelConfig, ids: dict) -> dict:
             "dtype": cfg.param_dtype, "use_cache": False, **fields, **ids}
 
 
-def export_hf(params: dict, cfg: ModelConfig, tokenizer_model: bytes, out: str | Path,
+def export_hf(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,
               overwrite: bool = False) -> Path:
-    """Write the `hf` export of a model to directory `out`, atomically. Raises ExportError for
+    """Write the `hf` export of a model and its tokenizer to directory `out`, atomically;
+    config.json's vocab_size is the model's (which may be padded past the tokenizer's, see
+    `hf_tokenizer`). Raises ExportError for
     a model the shipped modeling code cannot run (bfloat16 parameters are exported as they
     are; the code computes in the parameters' dtype); FileExistsError for an `out` it may not
     replace (`output.check_destination`)."""
     if cfg.activation not in ("silu", "gelu", "relu"):
         raise ExportError(f"activation {cfg.activation!r} has no PyTorch counterpart here")
     template = resources.files("cem_jax.export") / "hf_template"
-    with staged_dir(out, overwrite, FILES) as stage:
-        ids = write_tokenizer(stage, tokenizer_model)
+    with staged_dir(out, overwrite, files(tokenizer.file_name)) as stage:
+        ids = write_tokenizer(stage, tokenizer)
         file_in(stage, "config.json").write_text(json.dumps(hf_config(cfg, ids), indent=2))
-        file_in(stage, "generation_config.json").write_text(
-            json.dumps({**ids, "use_cache": False}, indent=2))
+        file_in(stage, "generation_config.json").write_text(json.dumps(
+            {**ids, **suppress_padded(tokenizer, cfg.vocab_size), "use_cache": False}, indent=2))
         for name in TEMPLATE_FILES:
             file_in(stage, name).write_text((template / name).read_text())
         write_weights(stage, params, cfg, {"format": "pt"})

@@ -24,14 +24,19 @@ from pathlib import Path
 import numpy as np
 
 from cem_jax.config import ConfigFieldError, ModelConfig
+from cem_jax.data import Tokenizer
 from cem_jax.energies import ROPE_TYPES
-from cem_jax.export.hf_tokenizer import TOKENIZER_FILES, write_tokenizer
+from cem_jax.export.hf_tokenizer import suppress_padded, tokenizer_files, write_tokenizer
 from cem_jax.export.output import ExportError, file_in, staged_dir, write_safetensors
 from cem_jax.export.safetensors_io import flat_params
 
 ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "relu": "relu"}  # ours → transformers ACT2FN
-# What the export writes.
-FILES = (*TOKENIZER_FILES, "config.json", "generation_config.json", "model.safetensors")
+
+
+def files(tokenizer_file: str) -> tuple[str, ...]:
+    """What the export of a run whose tokenizer is `tokenizer_file` writes."""
+    return (*tokenizer_files(tokenizer_file), "config.json", "generation_config.json",
+            "model.safetensors")
 
 
 def llama_incompatibility(cfg: ModelConfig) -> str | None:
@@ -219,10 +224,11 @@ def from_llama(config: dict, tensors: dict[str, np.ndarray]
     return cfg, {k: np.ascontiguousarray(v) for k, v in flat.items()}
 
 
-def export_hf_llama(params: dict, cfg: ModelConfig, tokenizer_model: bytes, out: str | Path,
+def export_hf_llama(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,
                     overwrite: bool = False) -> Path:
-    """Write a `LlamaForCausalLM.from_pretrained`-loadable directory (config.json,
-    model.safetensors, generation_config.json, tokenizer files) to `out`, atomically.
+    """Write a `LlamaForCausalLM.from_pretrained`-loadable directory (config.json, its
+    vocab_size the model's, which may be padded past the tokenizer's; model.safetensors,
+    generation_config.json, the tokenizer's files: `hf_tokenizer`) to `out`, atomically.
 
     Raises ExportError (naming the features) when `cfg` is not the Llama baseline;
     FileExistsError for an `out` it may not replace (`output.check_destination`).
@@ -230,10 +236,11 @@ def export_hf_llama(params: dict, cfg: ModelConfig, tokenizer_model: bytes, out:
     reason = llama_incompatibility(cfg)
     if reason:
         raise ExportError(reason)
-    with staged_dir(out, overwrite, FILES) as stage:
-        ids = write_tokenizer(stage, tokenizer_model)
+    with staged_dir(out, overwrite, files(tokenizer.file_name)) as stage:
+        ids = write_tokenizer(stage, tokenizer)
         file_in(stage, "config.json").write_text(json.dumps(llama_config(cfg, ids), indent=2))
-        file_in(stage, "generation_config.json").write_text(json.dumps(ids, indent=2))
+        file_in(stage, "generation_config.json").write_text(json.dumps(
+            {**ids, **suppress_padded(tokenizer, cfg.vocab_size)}, indent=2))
         write_safetensors(stage, "model.safetensors", to_llama_tensors(params, cfg),
                           {"format": "pt"})
     return Path(out)

@@ -2,10 +2,12 @@
 sampling, evaluation, export) can start from existing weights.
 
 The run directory is what `cem-train` writes: config.yaml (the model's architecture,
-`LLAMA_FIELDS`, from the Llama's config.json; the other model fields, such as dtype, and the
-data/optimizer/run sections from `--config` and overrides, with data.tokenizer set to the run's
-own tokenizer.model), tokenizer.model (the Llama's sentencepiece model), and checkpoint
-0 (parameters, a fresh optimizer state, step 0, the data iterator at its start). `cem-train` on
+`LLAMA_FIELDS`, from the Llama's config.json, its vocabulary the embedding's rows, which may be
+more than the tokenizer's ids; the other model fields, such as dtype, and the data/optimizer/run
+sections from `--config` and overrides, with data.tokenizer set to the run's own tokenizer),
+the Llama's tokenizer (its sentencepiece tokenizer.model, else its tokenizer.json, with the
+special tokens its tokenizer_config.json names: `cem_jax.data.tokenizer`), and checkpoint 0
+(parameters, a fresh optimizer state, step 0, the data iterator at its start). `cem-train` on
 that directory resumes from step 0, i.e. fine-tunes the imported weights.
 """
 
@@ -20,7 +22,8 @@ import safetensors
 import safetensors.flax
 
 from cem_jax.config import apply_overrides, load_yaml
-from cem_jax.data import load_tokenizer
+from cem_jax.data import find_tokenizer, load_tokenizer
+from cem_jax.data.tokenizer import saved_names
 from cem_jax.export.hf_llama import from_llama
 from cem_jax.export.output import ExportError, staged_dir
 from cem_jax.export.safetensors_io import unflat_params
@@ -33,7 +36,11 @@ LLAMA_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_head
                 "position", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_position", "norm_eps",
                 "tie_embeddings")
-FILES = ("config.yaml", "tokenizer.model", "checkpoints")  # what `write_run` writes
+
+
+def files(tokenizer_file: str) -> tuple[str, ...]:
+    """What the import of a Llama whose tokenizer is `tokenizer_file` writes (`write_run`)."""
+    return ("config.yaml", *saved_names(tokenizer_file), "checkpoints")
 
 
 def read_llama_dir(directory: str | Path) -> tuple[dict, dict]:
@@ -83,10 +90,11 @@ def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | 
     """Write a baseline run directory `out` from the Llama in `hf_dir` (atomically); a note on
     stderr names the `LLAMA_FIELDS` of the config's model section, which are not used.
 
-    Raises ExportError (not an importable Llama), FileNotFoundError (no tokenizer.model: the
-    run needs the sentencepiece model), ValueError (an invalid config, or an override of one
-    of `LLAMA_FIELDS`, which come from the Llama's config.json), FileExistsError (an `out` it
-    may not replace: `output.check_destination`).
+    Raises ExportError (not an importable Llama), FileNotFoundError (neither tokenizer.model
+    nor tokenizer.json: the run needs the Llama's tokenizer), ValueError (an invalid config, a
+    tokenizer with more ids than the embedding has rows, or an override of one of
+    `LLAMA_FIELDS`, which come from the Llama's config.json), FileExistsError (an `out` it may
+    not replace: `output.check_destination`).
     """
     fixed = [o for o in overrides if o.partition("=")[0] in {f"model.{n}" for n in LLAMA_FIELDS}]
     if fixed:
@@ -96,7 +104,7 @@ def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | 
     hf_dir = Path(hf_dir)
     llama_cfg, tensors = read_llama_dir(hf_dir)
     model_cfg, flat = from_llama(llama_cfg, tensors)
-    tokenizer = load_tokenizer(hf_dir / "tokenizer.model", model_cfg.vocab_size)
+    tokenizer = load_tokenizer(find_tokenizer(hf_dir), model_cfg.vocab_size)
     values = load_yaml(config_path) if config_path is not None else {}
     model = values.get("model")
     if ignored := [n for n in LLAMA_FIELDS if isinstance(model, dict) and n in model]:
@@ -104,12 +112,12 @@ def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | 
               f"the architecture comes from the Hugging Face config.json in {hf_dir}",
               file=sys.stderr)
     values = apply_overrides(values, list(overrides), SECTIONS)
-    with staged_dir(out, overwrite, FILES) as stage:
+    with staged_dir(out, overwrite, files(tokenizer.file_name)) as stage:
         final = Path(out).absolute()
         values["model"] = {**(values.get("model") or {}),
                            **{n: getattr(model_cfg, n) for n in LLAMA_FIELDS}}
-        values["data"] = {**(values.get("data") or {}), "vocab_size": model_cfg.vocab_size,
-                          "tokenizer": str(final / "tokenizer.model")}
+        values["data"] = {**(values.get("data") or {}), "vocab_size": None,  # the tokenizer's
+                          "tokenizer": str(final / tokenizer.file_name)}
         values["run"] = {**(values.get("run") or {}), "dir": str(final)}
         cfg = config_from_dict(values)
         params = unflat_params({k: v.astype(cfg.model.param_dtype) for k, v in flat.items()},

@@ -1,4 +1,5 @@
-"""The `safetensors` export: `model.safetensors`, `config.json`, `tokenizer.model`.
+"""The `safetensors` export: `model.safetensors`, `config.json` and the run's tokenizer as the
+run directory holds it (`tokenizer.model`, or `tokenizer.json` and `tokenizer_config.json`).
 
 Tensor names (stable; shapes in the model's own layout, fp32 or the run's param dtype):
 
@@ -34,12 +35,18 @@ import numpy as np
 import safetensors.numpy
 
 from cem_jax.config import ModelConfig, from_dict
+from cem_jax.data import Tokenizer, find_tokenizer, load_tokenizer
+from cem_jax.data.tokenizer import saved_names
 from cem_jax.export.output import ExportError, file_in, staged_dir, write_safetensors
 from cem_jax.model import model_from_params
 
 FORMAT, FORMAT_VERSION = "cem_jax", 1
 WEIGHTS = "model.safetensors"
-FILES = (WEIGHTS, "config.json", "tokenizer.model")  # what the export writes
+
+
+def files(tokenizer_file: str) -> tuple[str, ...]:
+    """What the export of a run whose tokenizer is `tokenizer_file` writes."""
+    return (WEIGHTS, "config.json", *saved_names(tokenizer_file))
 
 
 def flat_params(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -108,21 +115,23 @@ def write_weights(directory: Path, params: dict, cfg: ModelConfig, metadata: dic
     write_safetensors(directory, WEIGHTS, flat_params(params, cfg), metadata)
 
 
-def export_safetensors(params: dict, cfg: ModelConfig, tokenizer_model: bytes, out: str | Path,
+def export_safetensors(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,
                        overwrite: bool = False) -> Path:
-    """Write the safetensors export of a model to directory `out` (atomically; see
-    `output.staged_dir`). Returns `out`. Raises FileExistsError for an `out` it may not replace."""
-    with staged_dir(out, overwrite, FILES) as stage:
+    """Write the safetensors export of a model and its tokenizer to directory `out`
+    (atomically; see `output.staged_dir`). Returns `out`. Raises FileExistsError for an `out`
+    it may not replace."""
+    with staged_dir(out, overwrite, files(tokenizer.file_name)) as stage:
         write_weights(stage, params, cfg, {"format": "pt", "cem_jax_format": str(FORMAT_VERSION)})
         file_in(stage, "config.json").write_text(json.dumps(config_json(cfg), indent=2) + "\n")
-        file_in(stage, "tokenizer.model").write_bytes(tokenizer_model)
+        tokenizer.save(file_in(stage, tokenizer.file_name))
     return Path(out)
 
 
-def load_safetensors(directory: str | Path) -> tuple[ModelConfig, dict, bytes | None]:
-    """Read a safetensors export: (ModelConfig, the model's pure parameter dict, the tokenizer
-    model's bytes or None). Raises ExportError for a directory that is not one, or whose
-    tensors do not fit its config; FileNotFoundError for a missing file."""
+def load_safetensors(directory: str | Path) -> tuple[ModelConfig, dict, Tokenizer | None]:
+    """Read a safetensors export: (ModelConfig, the model's pure parameter dict, its tokenizer
+    or None when it has none). Raises ExportError for a directory that is not one, or whose
+    tensors do not fit its config; FileNotFoundError for a missing file; ValueError for a
+    tokenizer with more ids than the model's vocabulary."""
     directory = Path(directory)
     meta = json.loads((directory / "config.json").read_text())
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
@@ -134,5 +143,8 @@ def load_safetensors(directory: str | Path) -> tuple[ModelConfig, dict, bytes | 
         model_from_params(cfg, params)
     except ValueError as err:
         raise ExportError(f"{directory / WEIGHTS} does not fit its config.json: {err}") from None
-    tokenizer = directory / "tokenizer.model"
-    return cfg, params, tokenizer.read_bytes() if tokenizer.is_file() else None
+    try:
+        path = find_tokenizer(directory)
+    except FileNotFoundError:
+        return cfg, params, None
+    return cfg, params, load_tokenizer(path, cfg.vocab_size)

@@ -1,7 +1,7 @@
 """Checkpoints of a run with orbax: `RUN_DIR/checkpoints/<step>/` holds
 
     state/   params, opt_state, step (orbax StandardSave: sharded arrays, any mesh can restore)
-    meta/    the resolved config, the tokenizer's SHA-256 and its model (base64) (JSON)
+    meta/    the resolved config and the tokenizer's SHA-256 (JSON)
 
 The data position is the step (`cem_jax.data.pipeline`: the global batch of a step is a
 function of the seed and the step), so a checkpoint holds nothing per process and restores on
@@ -17,7 +17,6 @@ structure (another cem_jax version's optimizer, say) is refused by name, not rea
 
 from __future__ import annotations
 
-import base64
 import logging
 import sys
 from pathlib import Path
@@ -98,8 +97,7 @@ class Checkpointer:
              ) -> None:
         """Start saving step `step` (returns before the arrays are written; see `wait`).
         The caller must only pass a state whose loss, gradients and parameters are finite."""
-        meta = {"config": config, "tokenizer_sha256": tokenizer.sha256,
-                "tokenizer_model": base64.b64encode(tokenizer.model_proto).decode()}
+        meta = {"config": config, "tokenizer_sha256": tokenizer.sha256}
         self.manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 

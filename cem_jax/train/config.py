@@ -24,6 +24,7 @@ from cem_jax.config import (
     require,
 )
 from cem_jax.data import DataConfig
+from cem_jax.data.config import with_vocab_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +163,10 @@ TOP_LEVEL_KEYS = ("expected_params",)  # plain values beside the sections
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """All sections of a run; `__post_init__` checks what spans sections.
+    """All sections of a run; `__post_init__` checks what spans sections, and gives a null
+    `data.vocab_size` of a tokenizer to train the model's `vocab_size` (`with_vocab_size`).
+    The model's vocabulary must hold the tokenizer's ids: a trained tokenizer's size
+    (`data.vocab_size`) is checked here, a given one's when it is loaded.
 
     expected_params: optional top-level key, the model's exact total parameter count (as
       `cem_jax.model.count_params` gives it). `cem-train` (and `--dry-run`) compares it with
@@ -182,9 +186,12 @@ class TrainConfig:
                                               and not isinstance(self.expected_params, bool)
                                               and self.expected_params >= 1)
         require(ok, "expected_params", self.expected_params, "a positive integer or null")
-        if self.model.vocab_size != self.data.vocab_size:
-            raise ValueError(f"model.vocab_size = {self.model.vocab_size} but data.vocab_size = "
-                             f"{self.data.vocab_size}: they must be equal")
+        object.__setattr__(self, "data", with_vocab_size(self.data, self.model.vocab_size))
+        if self.data.tokenizer is None and self.data.vocab_size > self.model.vocab_size:
+            raise ValueError(f"data.vocab_size = {self.data.vocab_size} is larger than "
+                             f"model.vocab_size = {self.model.vocab_size}: the model must hold "
+                             f"every id of the tokenizer trained; lower data.vocab_size (or "
+                             f"leave it null: the model's) or raise model.vocab_size")
         if self.data.batch_size % self.optimizer.accumulation_steps:
             raise ValueError(f"data.batch_size = {self.data.batch_size} is not divisible by "
                              f"optimizer.accumulation_steps = "

@@ -5,15 +5,16 @@
     cem-train --config configs/cem_full_100m.yaml --dry-run   # compile only: memory, FLOPs
     cem-train --config configs/cem_full_100m.yaml --dry-run --target tpu-v5p-32   # lower only
 
-A run directory holds config.yaml (resolved), tokenizer.model, metrics.jsonl, tensorboard/ and
-checkpoints/. Starting in one that has a checkpoint resumes from the latest (same model and data
-sections required); in a finished one, it reports the validation the run logged and trains,
-evaluates and logs nothing. SIGTERM or SIGINT saves a checkpoint and exits (status 0); a
-non-finite loss, gradient or updated parameter stops the run (status 1) without saving, so the
-newest checkpoint stays good. One cem-train at a time holds a run directory (a lock file,
-`.lock`); cem-export and cem-import never replace a directory while it is held, nor once a run
-trained there (a cem-import's run directory stops being an import output when it starts
-training). At the end: validation loss, perplexity and bits per byte, and a generated sample.
+A run directory holds config.yaml (resolved), its tokenizer (tokenizer.model, or tokenizer.json
+and tokenizer_config.json), metrics.jsonl, tensorboard/ and checkpoints/. Starting in one that
+has a checkpoint resumes from the latest (same model and data sections required); in a finished
+one, it reports the validation the run logged and trains, evaluates and logs nothing. SIGTERM or
+SIGINT saves a checkpoint and exits (status 0); a non-finite loss, gradient or updated parameter
+stops the run (status 1) without saving, so the newest checkpoint stays good. One cem-train at a
+time holds a run directory (a lock file, `.lock`); cem-export and cem-import never replace a
+directory while it is held, nor once a run trained there (a cem-import's run directory stops
+being an import output when it starts training). At the end: validation loss, perplexity and
+bits per byte, and a generated sample.
 
 The steps run in `cem_jax.train.loop.TrainLoop` with the hooks of `cem_jax.train.hooks`.
 Messages go through `logging` (the "cem_jax" loggers; `cem-train` prints them on stdout, from
@@ -47,10 +48,11 @@ from cem_jax.data import (
     load_tokens,
     make_train_iterator,
 )
-from cem_jax.data.config import NOT_IN_TOKEN_STREAM
+from cem_jax.data.config import token_stream_fields
 from cem_jax.data.distributed import check_same
 from cem_jax.data.pipeline import no_validation
 from cem_jax.data.shakespeare import FetchError
+from cem_jax.data.tokenizer import FILE_NAMES, find_tokenizer
 from cem_jax.evaluate import describe, evaluate
 from cem_jax.export.output import unmark_output
 from cem_jax.memory import is_out_of_memory
@@ -129,7 +131,8 @@ def check_config_location(config: str | None, overrides: Sequence[str],
     path = Path(config)
     home = path.parent
     if path.name != "config.yaml" or not any(
-            (home / name).exists() for name in ("checkpoints", "tokenizer.model", "metrics.jsonl")):
+            (home / name).exists() for name in ("checkpoints", *FILE_NAMES.values(),
+                                                "metrics.jsonl")):
         return
     if Path(cfg.run.dir).resolve() != home.resolve():
         raise ValueError(f"{path} is the config of the run directory {home}, but it names "
@@ -143,7 +146,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     "eval": `cem_jax.evaluate.evaluate`'s figures (empty without a validation split),
     "sample"}. Raises TrainingDiverged, CheckpointError, RunDirInUse (another cem-train holds
     the directory), ValueError (config/run dir mismatch, run.dir a file), FileNotFoundError (a
-    resumed run dir without tokenizer.model), OSError (an unwritable run dir, a full disk);
+    resumed run dir without its tokenizer), OSError (an unwritable run dir, a full disk);
     ValueError also when `cfg.expected_params` is not the model's parameter count, when the
     batch cannot be split over the mesh, and (`cem_jax.memory.DoesNotFit`) when a train step
     cannot fit in the device's memory: all checked before anything is written."""
@@ -227,7 +230,7 @@ def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
         else:
             state, meta = checkpointer.restore(resume_step, trainer.abstract_state())
             if meta["tokenizer_sha256"] != tokenizer.sha256:
-                raise CheckpointError(f"{run_dir / 'tokenizer.model'} is not the tokenizer the "
+                raise CheckpointError(f"{run_dir / tokenizer.file_name} is not the tokenizer the "
                                       f"checkpoint was trained with")
             logger.info("resumed %s from step %d", run_dir, resume_step)
         if lead and finished is None:  # once the checkpoint is known good, and to be trained
@@ -349,7 +352,7 @@ def _sample(cfg: TrainConfig, params: dict, tokenizer: Tokenizer,
     sharded on the mesh, the tokens replicated for every process)."""
     sampling = SamplingConfig(cfg.run.sample_tokens, cfg.run.sample_temperature,
                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                              seed=cfg.run.seed)
+                              seed=cfg.run.seed, vocab_size=tokenizer.vocab_size)
     prompt = [tokenizer.eos_id] + tokenizer.encode(cfg.run.sample_prompt)  # a document start
     out = generate(params, cfg.model, [prompt], sampling, out_sharding=replicated(mesh))
     return tokenizer.decode(out.tokens[0, :out.lengths[0]])
@@ -359,7 +362,8 @@ def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
                           report: bool = True) -> None:
     """A resumed run keeps the model and data config of its config.yaml (model fields that only
     choose how the same function is computed aside, `cem_jax.config.NOT_IN_MATH`, and data
-    fields outside the token stream, `NOT_IN_TOKEN_STREAM`), and run.steps is at least the
+    fields outside the token stream, `token_stream_fields`: `NOT_IN_TOKEN_STREAM`, and
+    data.vocab_size beside a given tokenizer), and run.steps is at least the
     resume step (ValueError otherwise). A change of any `optimizer` field, of `run.steps` (to
     train longer, say; the optimizer state does not depend on them, `cem_jax.train.optim`) or
     of the `NOT_IN_MATH` model fields is allowed, and reported when `report` (a run with steps
@@ -368,14 +372,16 @@ def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
         raise ValueError(f"run.steps = {cfg.run.steps} but the run in {run_dir} has taken "
                          f"{resume_step} steps already; give run.steps >= {resume_step}, or "
                          "another run.dir")
-    saved, given = load_config(run_dir / "config.yaml").to_dict(), cfg.to_dict()
+    saved_cfg = load_config(run_dir / "config.yaml")
+    saved, given = saved_cfg.to_dict(), cfg.to_dict()
 
     def diff(section, keys=None):
         old, new = saved[section], given[section]
         return {f"{section}.{k}": (old[k], new[k]) for k in keys or old if old[k] != new[k]}
 
     model_keys = [k for k in saved["model"] if k not in NOT_IN_MATH]
-    data_keys = [k for k in saved["data"] if k not in NOT_IN_TOKEN_STREAM]
+    in_stream = token_stream_fields(saved_cfg.data).keys() | token_stream_fields(cfg.data)
+    data_keys = [k for k in saved["data"] if k in in_stream]
     for section, keys in (("model", model_keys), ("data", data_keys)):
         if changed := diff(section, keys):
             raise ValueError(f"{run_dir} holds a run with a different {section} config "
@@ -397,17 +403,14 @@ def _finished_result(cfg: TrainConfig, run_dir: Path,
 
 
 def _run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool) -> Tokenizer:
-    """A resumed run's own tokenizer.model; a new run's tokenizer from the data config, saved
-    into the run directory."""
-    path = run_dir / "tokenizer.model"
+    """A resumed run's own tokenizer (its tokenizer.model or tokenizer.json); a new run's
+    tokenizer from the data config, saved into the run directory. Either must fit the model's
+    vocabulary (ValueError otherwise, before anything is saved)."""
     if resumed:
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing from the run directory being resumed; "
-                                    f"restore it or start a new run.dir")
-        return load_tokenizer(path, expected_vocab_size=cfg.data.vocab_size)
-    tokenizer = build_tokenizer(cfg.data)
+        return load_tokenizer(find_tokenizer(run_dir), cfg.model.vocab_size)
+    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
     if jax.process_index() == 0:
-        tokenizer.save(path)
+        tokenizer.save(run_dir / tokenizer.file_name)
     return tokenizer
 
 

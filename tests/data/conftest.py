@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import train_byte_level_bpe
 
 from cem_jax.data import DataConfig, train_tokenizer
 from cem_jax.data.shakespeare import ARCHIVE_NAME, CACHE_ENV, fetch_archive
@@ -60,6 +61,16 @@ def small_tokenizer_path(small_corpus, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tok") / "tokenizer.model"
     texts = [p.read_text() for p in sorted(small_corpus["train"].glob("*.txt"))]
     train_tokenizer(texts, SMALL_VOCAB, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_hf_tokenizer_path(small_corpus, tmp_path_factory) -> Path:
+    """A SMALL_VOCAB byte-level BPE tokenizer.json (GPT-2's kind: `<|endoftext|>` id 0,
+    `<|pad|>` id 1) trained on the small training documents, without a tokenizer_config.json."""
+    path = tmp_path_factory.mktemp("hf_tok") / "tokenizer.json"
+    texts = [p.read_text() for p in sorted(small_corpus["train"].glob("*.txt"))]
+    train_byte_level_bpe(texts, SMALL_VOCAB, path)
     return path
 
 

@@ -61,11 +61,43 @@ def test_tokenize_a_user_corpus_and_save_the_tokenizer(tmp_path, capsys):
             str(tmp_path / "cache"), "--save-tokenizer", str(out_model)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert load_tokenizer(out_model, expected_vocab_size=320).vocab_size == 320
+    assert load_tokenizer(out_model).vocab_size == 320
     train = next(line for line in out.splitlines() if line.startswith("train ")).split()
     assert train[1:3] == ["40", f"{sum(map(len, texts)):,}"] and "jsonl" in train
     assert out.count("(1 file)") == 1 and "files)" not in out  # one corpus file, said once
     assert "validation (none: " in out and "milton" not in out
+
+
+def test_a_tokenizer_to_train_takes_the_model_vocabulary_of_the_config(tmp_path, capsys):
+    """data.vocab_size null: the size is the config's model.vocab_size, as in cem-train."""
+    (tmp_path / "a.txt").write_text("to be or not to be, that is the question\n" * 200)
+    (tmp_path / "run.yaml").write_text("model: {vocab_size: 300}\n")
+    args = ["tokenize", "--config", str(tmp_path / "run.yaml"), "--corpus",
+            str(tmp_path / "a.txt"), "--cache-dir", str(tmp_path / "cache")]
+    assert main(args) == 0
+    assert "tokenizer: sentencepiece, vocab 300, " in capsys.readouterr().out
+
+
+def test_tokenize_with_a_tokenizer_json_saves_it_with_its_special_tokens(
+        small_cfg, small_hf_tokenizer_path, tmp_path, capsys):
+    cfg = small_cfg()
+    saved = tmp_path / "run" / "tokenizer.json"
+    args = ["tokenize", "--corpus", cfg.corpus, "--val-corpus", cfg.val_corpus, "--cache-dir",
+            cfg.cache_dir, "--tokenizer", str(small_hf_tokenizer_path), "--save-tokenizer",
+            str(saved)]
+    assert main(args) == 0
+    assert "tokenizer: huggingface, vocab 400, " in capsys.readouterr().out
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["tokenizer.json",
+                                                              "tokenizer_config.json"]
+    loaded, original = load_tokenizer(saved), load_tokenizer(small_hf_tokenizer_path)
+    assert (loaded.sha256, loaded.eos_id, loaded.pad_id) == (original.sha256, 0, 1)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "tokenizer_config.json").write_text("{}")  # the user's: kept
+    assert main([*args[:-1], str(tmp_path / "other" / "tokenizer.json")]) == 1
+    assert capsys.readouterr().err == (
+        f"cem-data tokenize: error: {tmp_path / 'other' / 'tokenizer_config.json'} exists (a "
+        f"run's tokenizer must match its checkpoints): choose a new --save-tokenizer path\n")
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["tokenizer_config.json"]
 
 
 def test_bad_input_is_one_line_and_exit_status_1(tmp_path, capsys):

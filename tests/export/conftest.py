@@ -1,11 +1,12 @@
-"""Fixtures of the export tests: a sentencepiece tokenizer of 400 pieces and a factory of tiny
-run directories (config.yaml, tokenizer.model, one checkpoint of random parameters)."""
+"""Fixtures of the export tests: tokenizers of 400 ids of both kinds (sentencepiece, and a
+byte-level BPE tokenizer.json) and a factory of tiny run directories (config.yaml, the
+tokenizer, one checkpoint of random parameters)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import random_params
+from helpers import random_params, train_byte_level_bpe
 
 from cem_jax.data import train_tokenizer
 from cem_jax.rundir import write_run
@@ -18,7 +19,8 @@ WORDS = ("the king queen lord lady sword crown night day love death honour fool 
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-    """A directory with train/ and val/ text files and the tokenizer trained on train/."""
+    """A directory with train/ and val/ text files and the tokenizers trained on train/:
+    tokenizer.model (sentencepiece) and hf/tokenizer.json (byte-level BPE)."""
     root = tmp_path_factory.mktemp("export_corpus")
     rng = np.random.default_rng(0)
     for split, count in (("train", 8), ("val", 2)):
@@ -26,9 +28,14 @@ def corpus(tmp_path_factory):
         for i in range(count):
             lines = (" ".join(rng.choice(WORDS, 9)).capitalize() + "." for _ in range(40))
             (root / split / f"doc{i}.txt").write_text("\n".join(lines) + "\n")
-    train_tokenizer([p.read_text() for p in sorted((root / "train").glob("*.txt"))], VOCAB,
-                    root / "tokenizer.model")
+    texts = [p.read_text() for p in sorted((root / "train").glob("*.txt"))]
+    train_tokenizer(texts, VOCAB, root / "tokenizer.model")
+    (root / "hf").mkdir()
+    train_byte_level_bpe(texts, VOCAB, root / "hf" / "tokenizer.json")
     return root
+
+
+TOKENIZERS = {"sentencepiece": "tokenizer.model", "huggingface": "hf/tokenizer.json"}
 
 
 @pytest.fixture(scope="session")
@@ -38,20 +45,35 @@ def tokenizer(corpus):
     return load_tokenizer(corpus / "tokenizer.model")
 
 
+@pytest.fixture(scope="session")
+def json_tokenizer(corpus):
+    """The byte-level BPE tokenizer.json (<|endoftext|> = EOS = 0, <|pad|> = PAD = 1)."""
+    from cem_jax.data import load_tokenizer
+
+    return load_tokenizer(corpus / TOKENIZERS["huggingface"])
+
+
 @pytest.fixture
-def make_run(tmp_path, corpus, tokenizer):
-    """make_run(name, **model_fields) → (run directory, TrainConfig, params)."""
-    def make(name="run", seed=0, **model):
+def make_run(tmp_path, corpus):
+    """make_run(name, seed, tokenizer="sentencepiece" | "huggingface", edit=None,
+    **model_fields) → (run directory, TrainConfig, params); the model's vocabulary is the
+    tokenizer's 400 ids unless model_fields say otherwise (a padded one); `edit(params)` may
+    change the random parameters in place before they are written."""
+    from cem_jax.data import load_tokenizer
+
+    def make(name="run", seed=0, tokenizer="sentencepiece", edit=None, **model):
         values = {"model": {"vocab_size": VOCAB, "d_model": 16, "num_layers": 2,
                             "num_heads": 2, "mlp_dim": 32, **model},
                   "data": {"corpus": str(corpus / "train" / "*.txt"),
                            "val_corpus": str(corpus / "val" / "*.txt"),
-                           "tokenizer": str(corpus / "tokenizer.model"), "vocab_size": VOCAB,
-                           "seq_len": 16, "batch_size": 4, "cache_dir": str(corpus / "cache")},
+                           "tokenizer": str(corpus / TOKENIZERS[tokenizer]), "seq_len": 16,
+                           "batch_size": 4, "cache_dir": str(corpus / "cache")},
                   "run": {"dir": str(tmp_path / name), "steps": 2}}
         cfg = config_from_dict(values)
         params = random_params(cfg.model, seed)
-        write_run(tmp_path / name, cfg, params, tokenizer, step=2)
+        if edit is not None:
+            edit(params)
+        write_run(tmp_path / name, cfg, params, load_tokenizer(cfg.data.tokenizer), step=2)
         return tmp_path / name, cfg, params
 
     return make

@@ -46,7 +46,7 @@ def test_hf_logits_and_greedy_generation_equal_ours(tmp_path, tokenizer, name):
 
     cfg = ModelConfig(**{**TINY, **{**VARIANTS, **SLOW_VARIANTS}[name]})
     params = random_params(cfg)
-    out = export_hf(params, cfg, tokenizer.model_proto, tmp_path / "hf")
+    out = export_hf(params, cfg, tokenizer, tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] \
         == "modeling_cem.CEMForCausalLM"
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)  # we wrote it
@@ -68,7 +68,7 @@ def test_left_padded_batch_generation_matches_single_rows(tmp_path, tokenizer):
     cfg = ModelConfig(**{**TINY, **VARIANTS["tied-llama3rope-gqa-dplr-steps2"]})
     params = random_params(cfg, seed=3)
     model = AutoModelForCausalLM.from_pretrained(
-        export_hf(params, cfg, tokenizer.model_proto, tmp_path / "hf"), trust_remote_code=True)
+        export_hf(params, cfg, tokenizer, tmp_path / "hf"), trust_remote_code=True)
     prompts = [[3, 17, 250, 399, 4], [3, 61, 8]]
     batch = torch.tensor([prompts[0], [0, 0] + prompts[1]])
     mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])

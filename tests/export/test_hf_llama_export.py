@@ -44,7 +44,7 @@ def test_llama_logits_equal_ours_and_import_back(tmp_path, tokenizer, tie_embedd
 
     cfg = ModelConfig(**{**BASELINE, **SCALED[rope]}, tie_embeddings=tie_embeddings)
     params = random_params(cfg)
-    out = export_hf_llama(params, cfg, tokenizer.model_proto, tmp_path / "llama")
+    out = export_hf_llama(params, cfg, tokenizer, tmp_path / "llama")
     llama = LlamaForCausalLM.from_pretrained(out)
     assert llama.config.num_key_value_heads == 2
     assert llama.config.rope_parameters["rope_type"] == cfg.rope_type
@@ -61,13 +61,15 @@ LLAMA = dict(vocab_size=400, hidden_size=32, intermediate_size=48, num_hidden_la
 def _llama_dir(path, config: dict, lm_head: bool = True, dtype: str = "float32"):
     """A Llama directory of random weights (norms away from 1, stored in `dtype`) with
     `config` as its config.json, written as is (save_pretrained would rewrite it in its own
-    form); without `lm_head`, no lm_head.weight tensor."""
+    form; the keys of LLAMA in `config` size the weights too); without `lm_head`, no
+    lm_head.weight tensor."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(**LLAMA, initializer_range=0.3))
+    sizes = {**LLAMA, **{k: v for k, v in config.items() if k in LLAMA}}
+    llama = LlamaForCausalLM(LlamaConfig(**sizes, initializer_range=0.3))
     tensors = {k: v.detach().to(getattr(torch, dtype)).contiguous()
                for k, v in llama.state_dict().items() if lm_head or k != "lm_head.weight"}
     for name, value in tensors.items():
@@ -185,11 +187,54 @@ def test_cem_import_of_a_llama3_config_writes_its_scaling(tmp_path, corpus, caps
                                        "llama3\n")
 
 
+def test_a_llama_whose_embedding_is_padded_past_its_tokenizer_imports(tmp_path, corpus,
+                                                                      capsys):
+    """The issue's case: 448 embedding rows, a 400-piece tokenizer (transformers loads such a
+    model). cem-import advised vocab_size=400, then refused that override; now the run's
+    model has the 448 rows and its tokenizer its 400 pieces, one setting each."""
+    from transformers import LlamaForCausalLM
+
+    hf = _llama_dir(tmp_path / "hf", {"vocab_size": 448, "tie_word_embeddings": False})
+    (hf / "tokenizer.model").write_bytes((corpus / "tokenizer.model").read_bytes())
+    assert cli.import_main(["--hf", str(hf), "--out", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().err == ""
+    run = load_run(tmp_path / "run")
+    assert (run.config.model.vocab_size, run.tokenizer.vocab_size) == (448, 400)
+    assert (run.config.data.vocab_size, run.config.data.tokenizer) == (
+        None, str(tmp_path / "run" / "tokenizer.model"))
+    np.testing.assert_allclose(np.asarray(run.model()(IDS)),
+                               torch_logits(LlamaForCausalLM.from_pretrained(hf), IDS),
+                               atol=1e-4, rtol=0)
+    assert run.model()(IDS).shape == (1, IDS.shape[1], 448)
+
+
+def test_a_llama_with_a_tokenizer_json_imports(tmp_path, corpus, json_tokenizer):
+    """A Llama directory with tokenizer.json (and the tokenizer_config.json naming its special
+    tokens, as Llama 3's has) instead of tokenizer.model: the run holds both files, its
+    tokenizer gives the same ids and the special tokens the config names."""
+    hf = _llama_dir(tmp_path / "hf", {})
+    (hf / "tokenizer.json").write_bytes((corpus / "hf" / "tokenizer.json").read_bytes())
+    (hf / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+         "eos_token": {"content": "<|endoftext|>", "special": True}, "pad_token": None,
+         "chat_template": "{{ messages }}"}))
+    assert cli.import_main(["--hf", str(hf), "--out", str(tmp_path / "run")]) == 0
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        ".cem_jax_output", "checkpoints", "config.yaml", "tokenizer.json",
+        "tokenizer_config.json"]
+    run = load_run(tmp_path / "run")
+    tok = run.tokenizer
+    assert (tok.kind, tok.eos_id, tok.bos_id, tok.pad_id) == ("huggingface", 0, 0, 0)
+    text = "The king doth speak <|endoftext|> again.\n"
+    assert tok.encode(text) == json_tokenizer.encode(text)
+    assert run.config.data.tokenizer == str(tmp_path / "run" / "tokenizer.json")
+
+
 def test_tokenizer_loads_in_transformers_and_round_trips(tmp_path, tokenizer):
     from transformers import AutoTokenizer
 
     cfg = ModelConfig(**BASELINE)
-    out = export_hf_llama(random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "llama")
+    out = export_hf_llama(random_params(cfg), cfg, tokenizer, tmp_path / "llama")
     hf = AutoTokenizer.from_pretrained(out)
     text = "The king speaks.\n  Two  spaces, ünïcode and 123 digits\n\nthe end"
     ids = hf.encode(text, add_special_tokens=False)
@@ -202,7 +247,7 @@ def test_a_cem_model_is_not_a_llama(tmp_path, tokenizer):
     cfg = ModelConfig(vocab_size=400, d_model=16, num_layers=1, num_heads=2, mlp_dim=32,
                       position="none", steps=2)
     with pytest.raises(ExportError, match="tie_attention=true") as err:
-        export_hf_llama(random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "llama")
+        export_hf_llama(random_params(cfg), cfg, tokenizer, tmp_path / "llama")
     for feature in ("tie_mlp=true", "preconditioner='scalar'", "steps=2", "position='none'",
                     "--format hf"):
         assert feature in str(err.value)
@@ -231,7 +276,7 @@ def test_import_then_export_is_exact(tmp_path, corpus):
     assert run.config.model.kv_heads == 2 and not run.config.model.tie_attention
     np.testing.assert_allclose(np.asarray(run.model()(IDS)), torch_logits(llama, IDS),
                                atol=1e-4, rtol=0)
-    export_hf_llama(run.params, run.config.model, run.tokenizer.model_proto, tmp_path / "out")
+    export_hf_llama(run.params, run.config.model, run.tokenizer, tmp_path / "out")
     original = safetensors.numpy.load_file(str(tmp_path / "hf" / "model.safetensors"))
     exported = safetensors.numpy.load_file(str(tmp_path / "out" / "model.safetensors"))
     assert original.keys() == exported.keys()
@@ -246,7 +291,7 @@ def test_import_then_export_is_exact(tmp_path, corpus):
 ])
 def test_a_damaged_llama_file_is_named(tmp_path, tokenizer, name, damage, message):
     cfg = ModelConfig(**BASELINE)
-    out = export_hf_llama(random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "llama")
+    out = export_hf_llama(random_params(cfg), cfg, tokenizer, tmp_path / "llama")
     assert read_llama_dir(out)[0]["model_type"] == "llama"  # readable before the damage
     (out / name).write_bytes(damage)
     with pytest.raises(ExportError, match=f"{out / name} {message}"):
@@ -255,7 +300,7 @@ def test_a_damaged_llama_file_is_named(tmp_path, tokenizer, name, damage, messag
 
 def test_a_llama_config_without_its_sizes_is_named(tmp_path, tokenizer):
     cfg = ModelConfig(**BASELINE)
-    out = export_hf_llama(random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "llama")
+    out = export_hf_llama(random_params(cfg), cfg, tokenizer, tmp_path / "llama")
     config, tensors = read_llama_dir(out)
     del config["hidden_size"], config["intermediate_size"]
     with pytest.raises(ExportError, match="config.json lacks hidden_size, intermediate_size"):

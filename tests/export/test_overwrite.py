@@ -125,7 +125,7 @@ def test_a_held_lock_always_refuses(llama_dir, tmp_path, capsys):
     assert _import(llama, imported, cfg, "--overwrite") == 0  # released: replaced, lock kept
     assert (imported / ".lock").read_text() == "pid 1234 on elsewhere"
     assert _listed(imported) == ["checkpoints", "config.yaml", "tokenizer.model"]
-    assert _listed(imported) == sorted(importer.FILES)
+    assert _listed(imported) == sorted(importer.files("tokenizer.model"))
 
 
 def test_overwrite_replaces_only_what_the_earlier_export_wrote(make_run, tmp_path, capsys):
@@ -180,12 +180,16 @@ def test_an_old_marker_without_a_file_list(make_run, tmp_path, capsys):
     assert _files(out) == before
 
 
+@pytest.mark.parametrize("tokenizer", ["sentencepiece", "huggingface"])
 @pytest.mark.parametrize("fmt", ["safetensors", "hf", "hf-llama"])
-def test_each_output_lists_the_files_it_declares(make_run, tmp_path, fmt):
-    """The names a format declares (checked against a folder's files before the export) are
-    the ones it writes and its marker lists."""
-    run_dir, _, _ = make_run(**LLAMA)
+def test_each_output_lists_the_files_it_declares(make_run, tmp_path, fmt, tokenizer):
+    """The names a format declares for a run's tokenizer (checked against a folder's files
+    before the export) are the ones it writes and its marker lists."""
+    run_dir, _, _ = make_run(tokenizer=tokenizer, **LLAMA)
     assert cli.main(["--run", str(run_dir), "--format", fmt, "--out", str(tmp_path / "o")]) == 0
     written = sorted(p.name for p in (tmp_path / "o").iterdir() if p.name != MARKER)
-    declared = {"safetensors": safetensors_io.FILES, "hf": hf.FILES, "hf-llama": hf_llama.FILES}
-    assert _listed(tmp_path / "o") == written == sorted(declared[fmt])
+    declared = {"safetensors": safetensors_io.files, "hf": hf.files, "hf-llama": hf_llama.files}
+    name = {"sentencepiece": "tokenizer.model", "huggingface": "tokenizer.json"}[tokenizer]
+    assert _listed(tmp_path / "o") == written == sorted(declared[fmt](name))
+    assert name in written and ("tokenizer_config.json" in written) == (
+        fmt != "safetensors" or tokenizer == "huggingface")

@@ -16,14 +16,14 @@ from cem_jax.export.output import MARKER, ExportError, file_in, staged_dir
 from cem_jax.export.safetensors_io import export_safetensors, load_safetensors
 from cem_jax.model import model_from_params
 
-CFG = ModelConfig(vocab_size=64, d_model=16, num_layers=2, num_heads=2, mlp_dim=32,
+CFG = ModelConfig(vocab_size=400, d_model=16, num_layers=2, num_heads=2, mlp_dim=32,
                   interaction="dplr", preconditioner="dplr", preconditioner_rank=3,
                   tie_embeddings=False)
 
 
-def test_names_shapes_and_exact_reload(tmp_path):
+def test_names_shapes_and_exact_reload(tmp_path, tokenizer):
     params = random_params(CFG)
-    out = export_safetensors(params, CFG, b"spm-bytes", tmp_path / "out")
+    out = export_safetensors(params, CFG, tokenizer, tmp_path / "out")
     assert sorted(p.name for p in out.iterdir()) == [MARKER, "config.json", "model.safetensors",
                                                       "tokenizer.model"]
     tensors = safetensors.numpy.load_file(str(out / "model.safetensors"))
@@ -41,17 +41,17 @@ def test_names_shapes_and_exact_reload(tmp_path):
                           params["blocks"]["attention"]["mixer"]["diag"][1])
     assert json.loads((out / "config.json").read_text())["model"]["interaction"] == "dplr"
     cfg, loaded, tok = load_safetensors(out)
-    assert cfg == CFG and tok == b"spm-bytes"
+    assert cfg == CFG and (tok.kind, tok.sha256) == ("sentencepiece", tokenizer.sha256)
     tokens = jnp.array([[3, 7, 1, 60, 9, 2]])
     np.testing.assert_array_equal(model_from_params(cfg, loaded)(tokens),
                                   model_from_params(CFG, params)(tokens))
 
 
-def test_scalar_preconditioner_and_unscanned_layers_keep_their_shapes(tmp_path):
-    cfg = ModelConfig(vocab_size=64, d_model=16, num_layers=2, num_heads=2, mlp_dim=32,
+def test_scalar_preconditioner_and_unscanned_layers_keep_their_shapes(tmp_path, tokenizer):
+    cfg = ModelConfig(vocab_size=400, d_model=16, num_layers=2, num_heads=2, mlp_dim=32,
                       scan_layers=False)
     params = random_params(cfg)
-    out = export_safetensors(params, cfg, b"x", tmp_path / "out")
+    out = export_safetensors(params, cfg, tokenizer, tmp_path / "out")
     tensors = safetensors.numpy.load_file(str(out / "model.safetensors"))
     assert tensors["layers.0.mlp.precond.rho"].shape == ()
     assert float(tensors["layers.1.mlp.precond.rho"]) == float(
@@ -61,8 +61,8 @@ def test_scalar_preconditioner_and_unscanned_layers_keep_their_shapes(tmp_path):
                           params["blocks"][1]["attention"]["mixer"]["query"])
 
 
-def test_a_tensor_that_does_not_fit_is_named(tmp_path):
-    out = export_safetensors(random_params(CFG), CFG, b"x", tmp_path / "out")
+def test_a_tensor_that_does_not_fit_is_named(tmp_path, tokenizer):
+    out = export_safetensors(random_params(CFG), CFG, tokenizer, tmp_path / "out")
     tensors = safetensors.numpy.load_file(str(out / "model.safetensors"))
     tensors["layers.0.mlp.mixer.up"] = tensors["layers.0.mlp.mixer.up"][:, :5]
     safetensors.numpy.save_file(tensors, str(out / "model.safetensors"))
@@ -74,26 +74,26 @@ def test_a_tensor_that_does_not_fit_is_named(tmp_path):
         load_safetensors(out)
 
 
-def test_output_directory_is_never_half_written_nor_silently_replaced(tmp_path):
+def test_output_directory_is_never_half_written_nor_silently_replaced(tmp_path, tokenizer):
     params = random_params(CFG)
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="never replaced: choose another --out$"):
-        export_safetensors(params, CFG, b"x", out)  # no hint of --overwrite, which would refuse
+        export_safetensors(params, CFG, tokenizer, out)  # no hint of --overwrite (it refuses)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     with pytest.raises(RuntimeError, match="boom"), staged_dir(tmp_path / "new") as stage:
         (stage / "config.json").write_text("{}")
         raise RuntimeError("boom")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no partial directory left
     with pytest.raises(FileExistsError, match="not written by cem-export"):
-        export_safetensors(params, CFG, b"x", out, overwrite=True)  # a folder we did not write
+        export_safetensors(params, CFG, tokenizer, out, overwrite=True)  # a folder we did not write
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    ours = export_safetensors(params, CFG, b"x", tmp_path / "ours")
+    ours = export_safetensors(params, CFG, tokenizer, tmp_path / "ours")
     with pytest.raises(FileExistsError, match="holds an earlier .* output.*pass --overwrite"):
-        export_safetensors(params, CFG, b"x", ours)
+        export_safetensors(params, CFG, tokenizer, ours)
     (ours / "config.json").write_text("stale")
-    export_safetensors(params, CFG, b"x", ours, overwrite=True)
+    export_safetensors(params, CFG, tokenizer, ours, overwrite=True)
     assert sorted(p.name for p in ours.iterdir()) == [MARKER, "config.json", "model.safetensors",
                                                        "tokenizer.model"]
     assert (ours / "config.json").read_text() != "stale"
@@ -114,7 +114,7 @@ def test_every_exported_file_gets_the_umask_mode(tmp_path, tokenizer, fmt):
     writer = {"safetensors": export_safetensors, "hf": export_hf, "hf-llama": export_hf_llama}
     old = os.umask(0o022)
     try:
-        out = writer[fmt](random_params(cfg), cfg, tokenizer.model_proto, tmp_path / "out")
+        out = writer[fmt](random_params(cfg), cfg, tokenizer, tmp_path / "out")
     finally:
         os.umask(old)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}

@@ -73,7 +73,7 @@ def _run() -> dict:
             report[name]["batch_gathers"] = re.findall(  # [B, T, ...] of the global B = 16
                 r"= (f32\[16,16,\d+\])\S* all-gather\(", hlo)
     with tempfile.TemporaryDirectory() as run_dir:  # save on 2x2x2, restore on 1 device
-        tokenizer = types.SimpleNamespace(sha256="0", model_proto=b"")
+        tokenizer = types.SimpleNamespace(sha256="0")
         checkpointer = Checkpointer(Path(run_dir), keep=1)
         checkpointer.save(2, state, {}, tokenizer)
         checkpointer.wait()
