@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cem_jax.data import DataConfig, build_tokenizer, shards, shakespeare, sources
+from cem_jax.data import DataConfig, build_tokenizer, shakespeare, shards, sources
 from cem_jax.data.pipeline import cache_root
 from cem_jax.data.shards import Manifest, Shard
 from cem_jax.data.tokenize import tokenize_dataset
@@ -164,7 +164,7 @@ def main() -> int:
             synthetic_dataset(work / name, size, tokenizer)
             figures[name] = start_up(work / name, work / tokenizer.file_name)
         small, large = figures["small"], figures["large"]
-        print(f"start-up to the first batch (fresh process; 1/4 of a 512 x 1024 batch):")
+        print("start-up to the first batch (fresh process; 1/4 of a 512 x 1024 batch):")
         for name, size in (("small", args.small_gb), ("large", args.large_gb)):
             f = figures[name]
             print(f"  {size:g} GB dataset: {f['start_s']:.2f} s, resident memory "

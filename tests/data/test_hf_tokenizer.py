@@ -139,6 +139,6 @@ def test_documents_are_separated_by_its_eos(small_cfg, small_hf_tokenizer_path):
     cfg = small_cfg(tokenizer=str(small_hf_tokenizer_path))
     tok = build_tokenizer(cfg)
     data = load_tokens(cfg, tok, "validation")
-    stream = np.asarray(data.tokens)
+    stream = data.stream.read(0, len(data.stream))
     assert stream[0] == stream[-1] == tok.eos_id == 0
     assert (stream == 0).sum() == data.stats.documents + 1 == 3

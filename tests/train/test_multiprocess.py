@@ -106,6 +106,7 @@ def test_an_imported_llama_fine_tunes_on_two_processes(tiny_overrides, tmp_path)
     """cem-import's run directory (checkpoint 0, written by one process) trains on two."""
     from helpers import random_params
 
+    from cem_jax.data import load_tokenizer
     from cem_jax.export.hf_llama import export_hf_llama
     from cem_jax.export.importer import import_llama
     from cem_jax.train import load_config
@@ -113,7 +114,7 @@ def test_an_imported_llama_fine_tunes_on_two_processes(tiny_overrides, tmp_path)
     baseline = ["model.tie_attention=false", "model.tie_mlp=false", "model.preconditioner=none"]
     cfg = load_config(None, [*tiny_overrides, *baseline])
     tokenizer = next(o.split("=", 1)[1] for o in tiny_overrides if o.startswith("data.tokenizer="))
-    export_hf_llama(random_params(cfg.model), cfg.model, open(tokenizer, "rb").read(),
+    export_hf_llama(random_params(cfg.model), cfg.model, load_tokenizer(tokenizer),
                     tmp_path / "hf")
     data = [o for o in tiny_overrides if o.startswith(("data.", "optimizer.", "run."))]
     import_llama(tmp_path / "hf", tmp_path / "run", overrides=[*data, "run.steps=2",
