@@ -1,10 +1,13 @@
 """The loop in-process: NaN stop keeps the last good checkpoint, gradient accumulation equals the
 big batch, the optimizer's decay mask, config errors and the FLOP formula."""
 
+import errno
 import fcntl
+import gc
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +21,7 @@ from cem_jax.config import ModelConfig
 from cem_jax.data import load_tokenizer, make_train_iterator
 from cem_jax.sharding import global_batch, make_mesh
 from cem_jax.train import load_config, main, metrics, train
-from cem_jax.train.checkpoint import Checkpointer, drop_failed_restore_echoes
+from cem_jax.train.checkpoint import Checkpointer, drop_failure_echoes
 from cem_jax.train.config import MeshConfig, OptimizerConfig
 from cem_jax.train.metrics import flops_per_token
 from cem_jax.train.optim import decay_mask, learning_rate
@@ -187,19 +190,58 @@ def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, 
     assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr
 
 
-def test_only_the_echoes_of_a_failed_restore_are_dropped(monkeypatch, caplog):
+# A read that orbax abandons when a restore fails: closed by its finalizer, it raises its error
+# again, which Python prints as "Exception ignored in: <coroutine ...>" with a traceback.
+ABANDONED_READ = """
+class Pending:
+    def __await__(self):
+        yield
+
+async def read():
+    try:
+        await Pending()
+    except BaseException:
+        raise Exception("Encountered error while reading array index: (slice(0, 4, 1),)")
+"""
+
+
+def _abandon_a_read(filename: str) -> None:
+    """Start ABANDONED_READ's coroutine as compiled from `filename`, then drop it."""
+    namespace = {}
+    exec(compile(ABANDONED_READ, filename, "exec"), namespace)
+    coroutine = namespace["read"]()
+    coroutine.send(None)
+    del coroutine
+    gc.collect()
+
+
+def test_only_the_echoes_of_a_failed_checkpoint_read_or_write_are_dropped(monkeypatch, caplog):
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(repr(u.exc_value)))
-    drop_failed_restore_echoes()
-    drop_failed_restore_echoes()  # installed once
+    drop_failure_echoes()
+    drop_failure_echoes()  # installed once
     for err in (RuntimeError("Event loop is closed"), RuntimeError("another"),
                 ValueError("Event loop is closed")):
-        sys.unraisablehook(SimpleNamespace(exc_value=err))
-    assert seen == ["RuntimeError('another')", "ValueError('Event loop is closed')"]
-    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        sys.unraisablehook(SimpleNamespace(exc_value=err, object=None))
+    _abandon_a_read(os.path.join(os.sep, "venv", "orbax", "checkpoint", "serialization.py"))
+    _abandon_a_read("mine.py")  # not orbax's: shown
+    assert seen == ["RuntimeError('another')", "ValueError('Event loop is closed')",
+                    "Exception('Encountered error while reading array index: (slice(0, 4, 1),)')"]
+    with caplog.at_level(logging.ERROR):
         logging.getLogger("asyncio").error("Task exception was never retrieved\nfuture: ...")
+        logging.getLogger("asyncio").error("_GatheringFuture exception was never retrieved")
         logging.getLogger("asyncio").error("Unclosed client session")
-    assert [r.getMessage() for r in caplog.records] == ["Unclosed client session"]
+        orbax = os.path.join(os.sep, "venv", "orbax", "checkpoint", "future.py")
+        for path, err in ((orbax, ValueError("RESOURCE_EXHAUSTED: ... [os_error_code='28']")),
+                          (orbax, OSError(errno.EFBIG, "File too large")),
+                          (orbax, ValueError("INVALID_ARGUMENT: ... [os_error_code='22']")),
+                          ("mine.py", OSError(errno.ENOSPC, "No space left on device"))):
+            absl = logging.getLogger("absl")
+            absl.handle(absl.makeRecord("absl", logging.ERROR, path, 1, "save failed: %s",
+                                        (err,), (type(err), err, None)))
+    assert [r.getMessage() for r in caplog.records] == [
+        "Unclosed client session", "save failed: INVALID_ARGUMENT: ... [os_error_code='22']",
+        "save failed: [Errno 28] No space left on device"]
 
 
 def test_resume_refuses_a_changed_model_or_token_stream_and_reports_a_changed_optimizer(
