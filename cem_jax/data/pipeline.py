@@ -35,7 +35,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grain
@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from cem_jax.data.cache import CacheError, read_tokens, token_dtype, write_tokens
 from cem_jax.data.config import DataConfig
-from cem_jax.data.corpus import Split, cache_root, resolve_split
+from cem_jax.data.corpus import Document, Split, cache_root, resolve_split
 from cem_jax.data.tokenizer import TRAINER_VERSION, Tokenizer, load_tokenizer, train_tokenizer
 
 PACKING_VERSION = 1  # bump when the stream layout changes: it invalidates cached token files
@@ -85,13 +85,16 @@ class TokenizedSplit:
     path: Path
 
 
-def build_tokenizer(cfg: DataConfig) -> Tokenizer:
+def build_tokenizer(cfg: DataConfig, check: Callable[[], None] | None = None) -> Tokenizer:
     """The tokenizer of `cfg`: `cfg.tokenizer` loaded, or a BPE model of `cfg.vocab_size` pieces
     trained on the training split (cached under `cache_dir/tokenizers/`, keyed by the split's
     fingerprint). Save it with the run: `build_tokenizer(cfg).save(run_dir / "tokenizer.model")`.
+    `check`: called before each document is read for the training (a stop check: what it raises
+    ends the build, and nothing is cached).
 
     Raises FileNotFoundError / ValueError as `load_tokenizer`, `train_tokenizer` and
-    `resolve_split` do (e.g. a vocab size that disagrees with `cfg.vocab_size`).
+    `resolve_split` do (e.g. a vocab size that disagrees with `cfg.vocab_size`), and what
+    `check` raises.
     """
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer, expected_vocab_size=cfg.vocab_size)
@@ -103,17 +106,22 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
             return load_tokenizer(path, expected_vocab_size=cfg.vocab_size)
         except ValueError as err:
             warnings.warn(f"cached tokenizer unusable ({err}); training it again", stacklevel=2)
-    return train_tokenizer((doc.text for doc in split.documents()), cfg.vocab_size, path)
+    return train_tokenizer((doc.text for doc in _checked(split.documents(), check)),
+                           cfg.vocab_size, path)
 
 
-def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> TokenizedSplit:
+def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, split: str,
+                check: Callable[[], None] | None = None) -> TokenizedSplit:
     """The packed token stream of `split` ("train", "validation", "milton"), tokenized once and
     cached in `cache_dir/tokens/` under a key of (split fingerprint, tokenizer SHA-256); a
     cache file that fails verification is reported (a warning) and rebuilt. A file is read and
     verified (SHA-256) once per process: later calls return the same `TokenizedSplit` while
-    the file is unchanged on disk (same size and modification time).
+    the file is unchanged on disk (same size and modification time). `check`: called before
+    each document is tokenized (a stop check: what it raises ends the tokenization, and no
+    cache file is written).
 
-    Raises as `resolve_split` and `Split.documents` do (missing files, invalid UTF-8, empty).
+    Raises as `resolve_split` and `Split.documents` do (missing files, invalid UTF-8, empty),
+    and what `check` raises.
     """
     source = resolve_split(cfg, split)
     key = _hash([PACKING_VERSION, source.fingerprint(), tokenizer.sha256])
@@ -132,7 +140,7 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> TokenizedS
         tokens = None
     if tokens is None:
         counts = {"documents": 0, "bytes": 0}
-        write_tokens(path, _token_chunks(source, tokenizer, counts),
+        write_tokens(path, _token_chunks(source, tokenizer, counts, check),
                      token_dtype(tokenizer.vocab_size),
                      lambda: {"key": key, "split": split, **counts})
         tokens, header = read_tokens(path, key)
@@ -240,14 +248,14 @@ def _eval_batch(rows: np.ndarray, *, tokens: np.ndarray, seq_len: int, eos_id: i
     return batch
 
 
-def _token_chunks(split: Split, tokenizer: Tokenizer, counts: dict[str, int]
-                  ) -> Iterator[np.ndarray]:
+def _token_chunks(split: Split, tokenizer: Tokenizer, counts: dict[str, int],
+                  check: Callable[[], None] | None) -> Iterator[np.ndarray]:
     """The packed stream of `split` in pieces; fills `counts` (documents, bytes) on the way."""
     yield np.array([tokenizer.eos_id])
     texts, size = [], 0
     with tqdm(desc=f"tokenizing {split.description}", unit="B", unit_scale=True,
               disable=None) as progress:
-        for doc in split.documents():
+        for doc in _checked(split.documents(), check):
             texts.append(doc.text)
             size += len(doc.text)
             if size >= ENCODE_BATCH_CHARS:
@@ -255,6 +263,15 @@ def _token_chunks(split: Split, tokenizer: Tokenizer, counts: dict[str, int]
                 texts, size = [], 0
         if texts:
             yield _encode(texts, tokenizer, counts, progress)
+
+
+def _checked(documents: Iterator[Document], check: Callable[[], None] | None
+             ) -> Iterator[Document]:
+    """`documents`, calling `check` (if given) before each."""
+    for doc in documents:
+        if check is not None:
+            check()
+        yield doc
 
 
 def _encode(texts: list[str], tokenizer: Tokenizer, counts: dict[str, int],

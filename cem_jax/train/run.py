@@ -8,10 +8,14 @@
 A run directory holds config.yaml (resolved), tokenizer.model, metrics.jsonl, tensorboard/ and
 checkpoints/. Starting in one that has a checkpoint resumes from the latest (same model and data
 sections required); in a finished one, it reports the validation the run logged and trains,
-evaluates and logs nothing. SIGTERM or SIGINT saves a checkpoint and exits (status 0); a
-non-finite loss, gradient or updated parameter stops the run (status 1) without saving, so the
-newest checkpoint stays good. One cem-train at a time holds a run directory (a lock file,
-`.lock`). At the end: validation loss, perplexity and bits per byte, and a generated sample.
+evaluates and logs nothing. It ends with one of the exit statuses of
+`cem_jax.train.exits.ExitStatus` and one line saying why (a crash: its traceback, then the
+line): 0 finished, 1 crashed (retry), 2 cannot run as configured, 3 diverged, 75 stopped by
+SIGTERM or SIGINT before its last step (relaunch to resume). A signal stops it at a safe point:
+during start-up with nothing written, or after a step with that step saved. A non-finite loss,
+gradient or updated parameter stops the run without saving, so the newest checkpoint stays
+good. One cem-train at a time holds a run directory (a lock file, `.lock`). At the end:
+validation loss, perplexity and bits per byte, and a generated sample.
 
 The steps run in `cem_jax.train.loop.TrainLoop` with the hooks of `cem_jax.train.hooks`.
 Messages go through `logging` (the "cem_jax" loggers; `cem-train` prints them on stdout, from
@@ -23,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import signal
 import socket
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,10 +56,11 @@ from cem_jax.data.shakespeare import FetchError
 from cem_jax.evaluate import describe, evaluate
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
-from cem_jax.train import hooks
-from cem_jax.train.checkpoint import Checkpointer, CheckpointError
+from cem_jax.train import exits, hooks
+from cem_jax.train.checkpoint import Checkpointer, CheckpointError, complete_steps
 from cem_jax.train.config import TrainConfig, load_config, save_config
 from cem_jax.train.dry_run import check_batch_split, check_expected_params, dry_run
+from cem_jax.train.exits import ExitStatus, StoppedBySignal
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
 from cem_jax.train.metrics import MetricsWriter, flops_per_token, logged_values, peak_flops
 from cem_jax.train.step import Trainer
@@ -65,9 +73,22 @@ class RunDirInUse(RuntimeError):
     """Another cem-train holds the run directory."""
 
 
+# OSErrors that say the run cannot go on as configured (a missing or unreadable file, a full
+# disk; one without errno is one of our own messages); any other (EIO, ENOTCONN: a lost mount)
+# is a crash, retried.
+_CANNOT_RUN_ERRNOS = {None, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
+                      errno.EROFS, errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# What to do when a write in run.dir failed for want of space.
+_DISK_FULL_ADVICE = {errno.ENOSPC: "free space there or give another run.dir",
+                     errno.EDQUOT: "free space in your quota or give another run.dir",
+                     errno.EFBIG: "raise the file size limit (ulimit -f) or give another "
+                                  "run.dir"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `cem-train`; returns the exit status (0 done or stopped by a signal after saving,
-    1 diverged or failed, 2 bad configuration)."""
+    """Run `cem-train`; returns its exit status (`ExitStatus`: 0 finished, 1 crashed, 2 cannot
+    run as configured, 3 diverged, 75 stopped by a signal), after one line on stderr saying why
+    it ended (a crash prints its traceback first)."""
     parser = argparse.ArgumentParser(prog="cem-train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML config file (default: all defaults)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -88,37 +109,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except (ValueError, FileNotFoundError) as err:
-        print(f"cem-train: configuration error: {err}", file=sys.stderr)
-        return 2
-    try:
-        if args.dry_run:
-            dry_run(cfg, target=args.target)
-        else:
-            train(cfg)
-    except (TrainingDiverged, RunDirInUse, CheckpointError, FetchError, OSError,
-            ValueError) as err:
-        print(f"cem-train: error: {err}", file=sys.stderr)
-        return 1
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        print(f"cem-train: error: the step needs more memory than the device has "
-              f"({str(err).splitlines()[0]}); lower data.batch_size or data.seq_len, raise "
-              f"optimizer.accumulation_steps or set model.remat=full (`cem-train --dry-run` "
-              f"estimates the activations). Checkpoints already written are kept.",
-              file=sys.stderr)
-        return 1
-    return 0
+        return exits.report(ExitStatus.CANNOT_RUN, f"configuration error: {err}")
+    with exits.caught():
+        try:
+            if args.dry_run:
+                dry_run(cfg, target=args.target)
+                exits.check()
+            else:
+                train(cfg)
+        except StoppedBySignal as stop:  # one that says nothing more came before any step
+            where = ("during the dry run" if args.dry_run
+                     else "before the first step; nothing was trained")
+            return exits.report(ExitStatus.STOPPED, str(stop if stop.where else stop.at(where)))
+        except Exception as err:  # every ending is one of the documented statuses
+            return _failed(err, Path(cfg.run.dir))
+    return ExitStatus.FINISHED
 
 
+def _failed(err: Exception, run_dir: Path) -> int:
+    """Print cem-train's last line for the error that ended it (a crash: its traceback first);
+    returns the exit status (`ExitStatus`)."""
+    if isinstance(err, TrainingDiverged):
+        return exits.report(ExitStatus.DIVERGED, f"diverged: {err}")
+    if isinstance(err, OSError) and err.errno in _DISK_FULL_ADVICE:
+        steps = complete_steps(run_dir / "checkpoints")
+        kept = (f"the newest checkpoint, step {steps[-1]}, is kept" if steps
+                else "no checkpoint was written yet")
+        return exits.report(ExitStatus.CANNOT_RUN, f"error: cannot write {err.filename}: "
+                            f"{err.strerror}; {_DISK_FULL_ADVICE[err.errno]} ({kept})")
+    if isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err):
+        return exits.report(
+            ExitStatus.CANNOT_RUN, f"error: the step needs more memory than the device has "
+            f"({str(err).splitlines()[0]}); lower data.batch_size or data.seq_len, raise "
+            f"optimizer.accumulation_steps or set model.remat=full (`cem-train --dry-run` "
+            f"estimates the activations). Checkpoints already written are kept.")
+    if isinstance(err, (RunDirInUse, CheckpointError, FetchError, ValueError)) or (
+            isinstance(err, OSError) and err.errno in _CANNOT_RUN_ERRNOS):
+        return exits.report(ExitStatus.CANNOT_RUN, f"error: {err}")
+    traceback.print_exception(err)
+    cause = (str(err).splitlines() or [""])[0][:300]
+    return exits.report(ExitStatus.CRASHED, f"crashed: {type(err).__name__}: {cause}")
+
+
+@exits.caught()
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "stopped_early",
-    "eval": `cem_jax.evaluate.evaluate`'s figures (empty without a validation split),
-    "sample"}. Raises TrainingDiverged, CheckpointError, RunDirInUse (another cem-train holds
-    the directory), ValueError (config/run dir mismatch, run.dir a file), FileNotFoundError (a
-    resumed run dir without tokenizer.model), OSError (an unwritable run dir, a full disk);
-    ValueError also when `cfg.expected_params` is not the model's parameter count (checked
-    before anything is written)."""
+    """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "eval":
+    `cem_jax.evaluate.evaluate`'s figures (empty without a validation split), "sample"}.
+
+    SIGINT and SIGTERM stop it at a safe point (`cem_jax.train.exits`): raises StoppedBySignal,
+    saying where it stopped and what is saved. Raises TrainingDiverged, CheckpointError,
+    RunDirInUse (another cem-train holds the directory), ValueError (config/run dir mismatch,
+    run.dir a file), FileNotFoundError (a resumed run dir without tokenizer.model), OSError (an
+    unwritable run dir, a full disk; `CheckpointWriteError` for a checkpoint); ValueError also
+    when `cfg.expected_params` is not the model's parameter count (checked before anything is
+    written)."""
     if cfg.expected_params is not None:
         check_expected_params(cfg)
     if cfg.mesh.distributed:
@@ -130,13 +174,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run.dir {run_dir} is a file, not a directory; give another run.dir")
+    exits.check()  # a signal while JAX was imported or initialized: stop before writing
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise OSError(f"cannot create run.dir {run_dir} ({err.strerror}: {err.filename}); give "
                       f"a run.dir in a writable place") from None
-    with _run_dir_lock(run_dir, lead):
-        return _train(cfg, run_dir, lead)
+    try:
+        with _run_dir_lock(run_dir, lead):
+            return _train(cfg, run_dir, lead)
+    except StoppedBySignal as stop:
+        if stop.where:
+            raise
+        raise _before_first_step(stop, run_dir) from None  # a stop during the start
 
 
 @contextlib.contextmanager
@@ -184,8 +234,8 @@ def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
         if resume_step is not None:
             _check_resumed_config(cfg, run_dir, resume_step, report=finished is None)
         tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
-        if cfg.data.has_validation:  # a bad validation corpus fails now, not after training
-            load_tokens(cfg.data, tokenizer, "validation")
+        for split in ("train", "validation")[:1 + cfg.data.has_validation]:
+            load_tokens(cfg.data, tokenizer, split, exits.check)  # a bad corpus fails now
         trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh, cfg.run.debug_nan_step)
         iterator = make_train_iterator(cfg.data, tokenizer)
         if resume_step is None:
@@ -196,6 +246,7 @@ def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
                 raise CheckpointError(f"{run_dir / 'tokenizer.model'} is not the tokenizer the "
                                       f"checkpoint was trained with")
             logger.info("resumed %s from step %d", run_dir, resume_step)
+        exits.check()
         if lead and finished is None:  # once the checkpoint is known good, and to be trained
             save_config(cfg, run_dir / "config.yaml")
         first = resume_step or 0
@@ -203,13 +254,11 @@ def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
             logger.info("%s has taken its %d steps already; nothing to train", run_dir, first)
             if cfg.data.has_validation:
                 logger.info("validation after %d steps: %s", first, describe(finished))
-            summary = {"step": first, "stopped_early": False, "eval": finished, "sample": ""}
+            summary = {"step": first, "eval": finished, "sample": ""}
         else:
             summary = _train_steps(cfg, trainer, state, iterator, tokenizer, checkpointer,
                                    mesh, first, closing)
             state = summary.pop("state")
-            if summary["stopped_early"]:
-                return summary
     if cfg.run.sample_tokens:
         summary["sample"] = _sample(cfg, state["params"], tokenizer, mesh)
         logger.info("sample:\n%s%s", cfg.run.sample_prompt, summary["sample"])
@@ -220,11 +269,13 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
                  tokenizer: Tokenizer, checkpointer: Checkpointer, mesh: jax.sharding.Mesh,
                  first: int, closing: contextlib.ExitStack) -> dict[str, Any]:
     """Steps `first`+1 … `run.steps` and the final validation; returns the summary of `train`
-    with the final "state" (a signal stops it early, without the validation)."""
+    with the final "state". Raises StoppedBySignal saying where the loop stopped (a stop before
+    the loop: as it came)."""
     writer = MetricsWriter(Path(cfg.run.dir), first)
     closing.callback(writer.close)
     loop = make_loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer, mesh,
                      first, closing)
+    exits.check()  # the last safe point before the first step
     try:
         state, step, stopped = loop.run()
     except TrainingDiverged as err:
@@ -236,24 +287,54 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
             f"{err}. Nothing was saved after it: {saved}. Lower optimizer.lr or raise "
             f"optimizer.warmup_steps, then {'resume' if good is not None else 'start again'}."
         ) from None
-    checkpointer.wait()
-    summary = {"step": step, "stopped_early": stopped, "eval": {}, "sample": "", "state": state}
+    except StoppedBySignal as stop:  # due at the first step: the step is dropped
+        raise _stopped_at(stop, loop.step, first, checkpointer) from None
     if stopped:
-        logger.info("stopped by a signal at step %d; checkpoint saved in %s", step,
-                    checkpointer.directory)
-    elif cfg.data.has_validation:
+        raise _stopped_at(StoppedBySignal(exits.received() or signal.SIGTERM), step, first,
+                          checkpointer)
+    checkpointer.wait()
+    summary = {"step": step, "eval": {}, "sample": "", "state": state}
+    if cfg.data.has_validation:
         summary["eval"] = _validate(cfg, trainer, state["params"], tokenizer, mesh)
         writer.write(step, "eval", summary["eval"])
         logger.info("validation after %d steps: %s", step, describe(summary["eval"]))
     return summary
 
 
+def _before_first_step(stop: StoppedBySignal, run_dir: Path) -> StoppedBySignal:
+    """`stop`, saying that it came before the first step of this start, which saved nothing:
+    the run stays at its newest checkpoint (none for a new run)."""
+    checkpoints = (run_dir / "checkpoints").absolute()
+    if not (steps := complete_steps(checkpoints)):
+        return stop.at("before the first step; nothing was trained")
+    return stop.at(f"before its first step; the run stays at step {steps[-1]} ({checkpoints}): "
+                   f"start it again to resume")
+
+
+def _stopped_at(stop: StoppedBySignal, step: int, first: int,
+                checkpointer: Checkpointer) -> StoppedBySignal:
+    """`stop`, saying at which step the loop stopped and which checkpoint is the newest (a
+    stop at the first step of this start drops that step: before the first step)."""
+    checkpointer.wait()
+    good = checkpointer.latest_step()
+    if (good or 0) <= first and step <= first + 1:
+        return _before_first_step(stop, checkpointer.directory.parent)
+    if good == step:
+        kept = f"checkpoint saved in {checkpointer.directory}"
+    elif good is None:
+        kept = "no checkpoint was written yet"
+    else:
+        kept = f"its newest checkpoint is step {good} in {checkpointer.directory}"
+    return stop.at(f"at step {step}; {kept}: start it again to resume")
+
+
 def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokenizer: Tokenizer,
               checkpointer: Checkpointer, writer: MetricsWriter, mesh: jax.sharding.Mesh,
               first: int, closing: contextlib.ExitStack) -> TrainLoop:
     """cem-train's step loop from step `first` to `run.steps`, with its hooks
-    (`cem_jax.train.hooks`); `closing` gets what must be closed after it (the bar, the signal
-    handlers). Also what `benchmarks/loop.py` times."""
+    (`cem_jax.train.hooks`); `closing` gets what must be closed after it (the bar, and the
+    signal handlers of `cem_jax.train.exits` unless the caller has them already). Also what
+    `benchmarks/loop.py` times."""
     run = cfg.run
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak, peak_source = peak_flops(run.peak_flops)
@@ -272,9 +353,9 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
     if run.debug_signal_step is not None:
         loop.add_hook(hooks.DebugSignal(run.debug_signal_step, run.debug_signal),
                       run.debug_signal_step, reads="state")
-    stop = hooks.StopOnSignal(agree_every=run.log_every)
-    closing.callback(stop.restore)
-    loop.add_hook(stop, reads="state")
+    closing.enter_context(exits.caught())  # cem-train's own, or this loop's while it runs
+    loop.add_hook(hooks.StopOnSignal(agree_every=run.log_every, first_step=first),
+                  reads="state")
     if cfg.data.has_validation:
         validate = hooks.Validate(
             lambda params: _validate(cfg, trainer, params, tokenizer, mesh), writer)
@@ -355,7 +436,7 @@ def _run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool) -> Tokenizer:
             raise FileNotFoundError(f"{path} is missing from the run directory being resumed; "
                                     f"restore it or start a new run.dir")
         return load_tokenizer(path, expected_vocab_size=cfg.data.vocab_size)
-    tokenizer = build_tokenizer(cfg.data)
+    tokenizer = build_tokenizer(cfg.data, exits.check)
     if jax.process_index() == 0:
         tokenizer.save(path)
     return tokenizer

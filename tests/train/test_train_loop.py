@@ -32,7 +32,8 @@ def test_nan_stops_the_run_and_keeps_the_good_checkpoint(tiny_overrides, tmp_pat
     status = main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=12",
                    "run.checkpoint_every=3", "run.debug_nan_step=8"])
     err = capsys.readouterr().err
-    assert status == 1
+    assert status == 3  # diverged: not retried
+    assert err.rstrip().endswith("(exit status 3)") and "cem-train: diverged: " in err
     assert "non-finite training metrics at step 8" in err
     assert "the latest good checkpoint is step 6" in err and "then resume" in err
     checkpointer = Checkpointer(tmp_path, keep=3)
@@ -110,7 +111,7 @@ def test_missing_validation_corpus_fails_before_training(tiny_overrides, tmp_pat
     run_dir = tmp_path / "run"
     missing = tmp_path / "no_such_val.txt"
     args = [*tiny_overrides, f"run.dir={run_dir}", f"data.val_corpus={missing}"]
-    assert main(args) == 1
+    assert main(args) == 2  # cannot run as configured
     assert str(missing) in capsys.readouterr().err
     assert not (run_dir / "metrics.jsonl").exists()  # no step was taken
     assert not list((run_dir / "checkpoints").glob("*"))
@@ -166,7 +167,7 @@ def test_overflowing_parameters_stop_the_run_before_they_are_saved(tiny_override
     status = main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=3",
                    "run.checkpoint_every=1", "optimizer.lr=1e38", "optimizer.warmup_steps=0"])
     err = capsys.readouterr().err
-    assert status == 1
+    assert status == 3
     assert "at step 1" in err and "norm of the updated parameters inf" in err
     assert f"no checkpoint was written yet in {tmp_path}" in err and "start again" in err
     checkpointer = Checkpointer(tmp_path, keep=3)
@@ -185,7 +186,7 @@ def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, 
         if path.is_file():
             path.write_bytes(b"garbage" if damage == "garbage" else b"")
     result = run_cli([*args[:-2], "run.steps=5"])
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert f"cem-train: error: cannot restore checkpoint {state.parent} (" in result.stderr
     assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr
 
@@ -250,12 +251,12 @@ def test_resume_refuses_a_changed_model_or_token_stream_and_reports_a_changed_op
             "run.eval_batches=1"]
     assert main(args) == 0
     capsys.readouterr()
-    assert main([*args, "model.d_model=64"]) == 1
+    assert main([*args, "model.d_model=64"]) == 2
     assert "different model config (saved, given): {'model.d_model': (32, 64)}" \
         in capsys.readouterr().err
-    assert main([*args, "data.seq_len=32"]) == 1
+    assert main([*args, "data.seq_len=32"]) == 2
     assert "{'data.seq_len': (16, 32)}" in capsys.readouterr().err
-    assert main([*args, "run.steps=2"]) == 1
+    assert main([*args, "run.steps=2"]) == 2
     assert "run.steps = 2 but the run in" in capsys.readouterr().err
     # How the data is read may change, how the model is computed (impl, attention block,
     # remat), and any optimizer field: clipping and weight decay off keep the optimizer
@@ -313,13 +314,13 @@ def test_a_run_dir_in_use_or_not_a_directory_is_refused(tiny_overrides, tmp_path
         held.write("pid 1234 on elsewhere")
         held.flush()
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert main([*args, f"run.dir={run_dir}"]) == 1
+        assert main([*args, f"run.dir={run_dir}"]) == 2
         assert "is in use by another cem-train (pid 1234 on elsewhere)" in capsys.readouterr().err
     assert not (run_dir / "checkpoints").exists()
     (tmp_path / "file").write_text("x")
-    assert main([*args, f"run.dir={tmp_path / 'file'}"]) == 1
+    assert main([*args, f"run.dir={tmp_path / 'file'}"]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
-    assert main([*args, f"run.dir={tmp_path / 'file' / 'run'}"]) == 1
+    assert main([*args, f"run.dir={tmp_path / 'file' / 'run'}"]) == 2
     assert "Not a directory" in capsys.readouterr().err
     assert main([*args, f"run.dir={run_dir}"]) == 0  # the lock was released
 
@@ -330,11 +331,35 @@ def test_out_of_device_memory_is_a_clear_error(tiny_overrides, tmp_path, monkeyp
                                          "11338974384580 bytes.\nmore detail")
 
     monkeypatch.setattr("cem_jax.train.run.TrainLoop.run", oom)
-    assert main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=2"]) == 1
+    assert main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=2"]) == 2
     err = capsys.readouterr().err
     assert ("cem-train: error: the step needs more memory than the device has (RESOURCE_EXHAUSTED"
             ": Out of memory allocating 11338974384580 bytes.); lower data.batch_size") in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and err.rstrip().endswith("(exit status 2)")
+
+
+@pytest.mark.parametrize("error, status, line", [
+    (jax.errors.JaxRuntimeError("INTERNAL: lost the coordination service\nmore detail"), 1,
+     "cem-train: crashed: JaxRuntimeError: INTERNAL: lost the coordination service (exit "
+     "status 1)"),  # a lost host: retried by the launchers
+    (OSError(errno.EIO, "Input/output error"), 1,
+     "cem-train: crashed: OSError: [Errno 5] Input/output error (exit status 1)"),
+    (OSError(errno.ENOSPC, "No space left on device", "/runs/r/metrics.jsonl"), 2,
+     "cem-train: error: cannot write /runs/r/metrics.jsonl: No space left on device; free space "
+     "there or give another run.dir (no checkpoint was written yet) (exit status 2)"),
+], ids=["lost-host", "io-error", "disk-full"])
+def test_an_error_in_training_ends_with_its_status_and_one_line(
+        tiny_overrides, tmp_path, monkeypatch, capsys, error, status, line):
+    """A crash prints its traceback (a bug or an infrastructure failure: someone needs it)
+    before the line; an error that a retry would meet again is the line alone."""
+    def fail(self):
+        raise error
+
+    monkeypatch.setattr("cem_jax.train.run.TrainLoop.run", fail)
+    assert main([*tiny_overrides, f"run.dir={tmp_path}", "run.peak_flops=1e12"]) == status
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == line
+    assert ("Traceback (most recent call last)" in err) == (status == 1)
 
 
 def test_an_unwritable_run_dir_is_named_and_a_finished_one_still_reports(
@@ -346,11 +371,11 @@ def test_an_unwritable_run_dir_is_named_and_a_finished_one_still_reports(
     monkeypatch.setattr("os.access", lambda path, mode: Path(path) != tmp_path)  # read-only
     assert main([*args, "run.steps=2"]) == 0  # finished: nothing to write
     assert "validation after 2 steps" in capsys.readouterr().out
-    assert main([*args, "run.steps=3"]) == 1
+    assert main([*args, "run.steps=3"]) == 2
     assert f"cannot write in run.dir {tmp_path} (read-only or not yours)" in \
         capsys.readouterr().err
     assert (tmp_path / "config.yaml").read_text() == config
-    assert main([*args, "run.dir=/proc/no/run"]) == 1
+    assert main([*args, "run.dir=/proc/no/run"]) == 2
     assert "cannot create run.dir /proc/no/run (No such file or directory" in \
         capsys.readouterr().err
 
@@ -359,7 +384,7 @@ def test_an_impl_this_platform_cannot_run_fails_before_anything_is_written(
         tiny_overrides, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main([*tiny_overrides, f"run.dir={run_dir}", "model.impl=cudnn",
-                 "model.dtype=bfloat16"]) == 1
+                 "model.dtype=bfloat16"]) == 2
     assert "impl='cudnn' runs cuDNN's flash attention, which needs a GPU" in \
         capsys.readouterr().err
     assert not run_dir.exists()
