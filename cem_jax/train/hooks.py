@@ -92,7 +92,9 @@ class LogMetrics:
 
 class Validate:
     """Validation of the step's parameters (a state hook, which first finishes its step),
-    logged as an "eval" record; none at the last step (the run evaluates after its loop)."""
+    logged as an "eval" record; none at the last step (the run evaluates after its loop). A
+    signal that stops the validation between batches (StoppedBySignal) stops the run after
+    this step: the step is saved, and validated when the run is started again."""
 
     def __init__(self, validate: Callable[[dict], dict[str, float]], writer: MetricsWriter):
         self.validate, self.writer = validate, writer
@@ -101,7 +103,11 @@ class Validate:
         if info.last:
             return
         info.finish()
-        result = self.validate(info.state["params"])
+        try:
+            result = self.validate(info.state["params"])
+        except StoppedBySignal:
+            info.request_stop()
+            return
         self.writer.write(info.step, "eval", result)
         logger.info("step %d: validation %s", info.step, describe(result))
 

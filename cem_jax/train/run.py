@@ -12,10 +12,11 @@ evaluates and logs nothing. It ends with one of the exit statuses of
 `cem_jax.train.exits.ExitStatus` and one line saying why (a crash: its traceback, then the
 line): 0 finished, 1 crashed (retry), 2 cannot run as configured, 3 diverged, 75 stopped by
 SIGTERM or SIGINT before its last step (relaunch to resume). A signal stops it at a safe point:
-during start-up with nothing written, or after a step with that step saved. A non-finite loss,
-gradient or updated parameter stops the run without saving, so the newest checkpoint stays
-good. One cem-train at a time holds a run directory (a lock file, `.lock`). At the end:
-validation loss, perplexity and bits per byte, and a generated sample.
+during start-up with nothing written, after a step with that step saved, or between validation
+batches with the step's checkpoint kept (its validation is done when the run is started again).
+A non-finite loss, gradient or updated parameter stops the run without saving, so the newest
+checkpoint stays good. One cem-train at a time holds a run directory (a lock file, `.lock`). At
+the end: validation loss, perplexity and bits per byte, and a generated sample.
 
 The steps run in `cem_jax.train.loop.TrainLoop` with the hooks of `cem_jax.train.hooks`.
 Messages go through `logging` (the "cem_jax" loggers; `cem-train` prints them on stdout, from
@@ -269,10 +270,15 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
                  tokenizer: Tokenizer, checkpointer: Checkpointer, mesh: jax.sharding.Mesh,
                  first: int, closing: contextlib.ExitStack) -> dict[str, Any]:
     """Steps `first`+1 … `run.steps` and the final validation; returns the summary of `train`
-    with the final "state". Raises StoppedBySignal saying where the loop stopped (a stop before
-    the loop: as it came)."""
+    with the final "state". A resume step whose validation was due but never logged (the run
+    was stopped at it) is validated first. Raises StoppedBySignal saying where the loop or the
+    final validation stopped (a stop before the loop: as it came)."""
     writer = MetricsWriter(Path(cfg.run.dir), first)
     closing.callback(writer.close)
+    if _validation_missing(cfg, first):
+        result = _validate(cfg, trainer, state["params"], tokenizer, mesh)
+        writer.write(first, "eval", result)
+        logger.info("step %d: validation %s", first, describe(result))
     loop = make_loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer, mesh,
                      first, closing)
     exits.check()  # the last safe point before the first step
@@ -295,10 +301,22 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
     checkpointer.wait()
     summary = {"step": step, "eval": {}, "sample": "", "state": state}
     if cfg.data.has_validation:
-        summary["eval"] = _validate(cfg, trainer, state["params"], tokenizer, mesh)
+        try:
+            summary["eval"] = _validate(cfg, trainer, state["params"], tokenizer, mesh)
+        except StoppedBySignal as stop:
+            raise stop.at(f"during the final validation; the checkpoint of step {step} is kept "
+                          f"in {checkpointer.directory}: start it again to validate") from None
         writer.write(step, "eval", summary["eval"])
         logger.info("validation after %d steps: %s", step, describe(summary["eval"]))
     return summary
+
+
+def _validation_missing(cfg: TrainConfig, step: int) -> bool:
+    """Whether resume step `step` had a periodic validation due that metrics.jsonl lacks (a run
+    stopped at that step, or during its validation, saves the step but not the validation)."""
+    return (cfg.data.has_validation and 0 < step < cfg.run.steps
+            and step % cfg.run.eval_every == 0
+            and logged_values(Path(cfg.run.dir), step, "eval") is None)
 
 
 def _before_first_step(stop: StoppedBySignal, run_dir: Path) -> StoppedBySignal:
@@ -369,9 +387,12 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
 def _validate(cfg: TrainConfig, trainer: Trainer, params: dict, tokenizer: Tokenizer,
               mesh: jax.sharding.Mesh) -> dict[str, float]:
     """`cem_jax.evaluate.evaluate` on the validation split (its first `run.eval_batches`
-    batches, if set) with the trainer's compiled eval step."""
+    batches, if set) with the trainer's compiled eval step. A signal stops it between batches
+    (StoppedBySignal) when it runs in one process (on several, every process would have to
+    agree on the batch: it runs to its end, and the loop stops after the step)."""
+    check = exits.check if jax.process_count() == 1 else None
     return evaluate(params, cfg.model, cfg.data, tokenizer, mesh,
-                    max_batches=cfg.run.eval_batches, eval_step=trainer.eval_step)
+                    max_batches=cfg.run.eval_batches, eval_step=trainer.eval_step, check=check)
 
 
 def _sample(cfg: TrainConfig, params: dict, tokenizer: Tokenizer,

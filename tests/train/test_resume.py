@@ -1,10 +1,10 @@
 """Resuming: a run killed (SIGKILL) or preempted (SIGTERM, exit status 75) at step 10 and resumed
-to step 20 logs the same fp32 losses, step for step, as a run of 20 steps straight, and
-TensorBoard shows every logged value once; a run stopped before its first step keeps what it
-had; every optimizer setting may change on resume (a real resume with clipping and weight decay
-turned off: tests/train/test_train_loop.py); a checkpoint of another state structure is refused
-by name; a full disk leaves the newest checkpoint as it was; a finished run started again
-reports what it logged and writes nothing."""
+to step 20 logs the same records as a run of 20 steps straight (the fp32 losses step for step,
+every validation), and TensorBoard shows every logged value once; so does a run stopped during a
+validation, periodic or final; every optimizer setting may change on resume (a real resume with
+clipping and weight decay turned off: tests/train/test_train_loop.py); a checkpoint of another
+state structure is refused by name; a full disk leaves the newest checkpoint as it was; a
+finished run started again reports what it logged and writes nothing."""
 
 import dataclasses
 import fcntl
@@ -30,13 +30,14 @@ from cem_jax.sharding import make_mesh, replicated
 from cem_jax.train import load_config, train
 from cem_jax.train.checkpoint import Checkpointer, CheckpointError, complete_steps
 from cem_jax.train.config import MeshConfig, OptimizerConfig
-from cem_jax.train.metrics import MetricsWriter
+from cem_jax.train.metrics import MetricsWriter, logged_records, logged_values
 from cem_jax.train.optim import decay_mask, learning_rate, make_optimizer
 from cem_jax.train.run import log_to_stdout
 from cem_jax.train.step import Trainer
 
 STEPS = 20
-EVERY = [f"run.steps={STEPS}", "run.checkpoint_every=4"]
+EVERY = [f"run.steps={STEPS}", "run.checkpoint_every=4", "run.eval_every=5"]
+VARYING = ("kind", "step", "time", "tokens_per_s", "mfu")  # differ between runs, or keyed on
 # A changed value of every OptimizerConfig field (defaults: lr 3e-3, warmup 100, min ratio 0.1,
 # b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1, clip 1.0, accumulation 1).
 CHANGED = {"lr": 1e-4, "warmup_steps": 0, "min_lr_ratio": 0.0, "b1": 0.0, "b2": 0.999,
@@ -78,9 +79,16 @@ def logged_scalars(run_dir) -> dict[tuple[str, int], float]:
             for r in records for k, v in r.items() if k not in ("step", "kind", "time")}
 
 
+def logged(run_dir) -> list[tuple[str, int, dict[str, float]]]:
+    """metrics.jsonl's records in order as (kind, step, values), without the ones that differ
+    between two runs of the same steps (time, tokens/s, MFU)."""
+    return [(r["kind"], r["step"], {k: v for k, v in r.items() if k not in VARYING})
+            for r in logged_records(run_dir)]
+
+
 @pytest.fixture(scope="module")
 def straight(tiny_overrides, tmp_path_factory):
-    """The run directory of 20 steps straight."""
+    """The run directory of 20 steps straight, validated every 5."""
     run_dir = tmp_path_factory.mktemp("straight")
     result = run_cli([*tiny_overrides, f"run.dir={run_dir}", *EVERY])
     assert result.returncode == 0, result.stderr
@@ -100,6 +108,7 @@ def test_resume_after_signal_is_exact(straight, tiny_overrides, tmp_path, sig, r
             f"cem-train: stopped by a signal (SIGTERM) at step 10; checkpoint saved in "
             f"{tmp_path / 'checkpoints'}: start it again to resume (exit status 75)"]
         assert (tmp_path / "checkpoints" / "10").is_dir()
+        assert logged_values(tmp_path, 10, "eval") is None  # due, not done: the stop is prompt
     # metrics are read a step late: a hard kill right after dispatching step 10 loses its
     # record (the resumed run logs it); a clean stop finishes the step first
     assert max(train_losses(tmp_path)) == (10 if sig == "SIGTERM" else 9)
@@ -109,12 +118,36 @@ def test_resume_after_signal_is_exact(straight, tiny_overrides, tmp_path, sig, r
     resumed_from = int(output.split("from step ")[1].split()[0])
     assert resumed_from == 10 if sig == "SIGTERM" else 4 <= resumed_from <= 10
     assert train_losses(tmp_path) == train_losses(straight)  # every step, bit for bit
+    assert logged(tmp_path) == logged(straight)  # the validation due at step 10 too
     # The killed process's records up to its checkpoint were flushed with it: TensorBoard shows
     # every step once, with the values of metrics.jsonl.
     shown = tensorboard_scalars(tmp_path)
     assert shown == logged_scalars(tmp_path)
     assert sorted(step for tag, step in shown if tag == "train/loss") == \
         list(range(1, STEPS + 1))
+
+
+def test_a_run_stopped_during_a_validation_does_it_when_started_again(straight, tiny_overrides,
+                                                                      tmp_path):
+    common = [*tiny_overrides, f"run.dir={tmp_path}", *EVERY]
+    checkpoints = tmp_path / "checkpoints"
+    first = signal_at("eval-1", "SIGTERM", common)  # during the validation of step 5
+    assert first.returncode == 75, first.stderr
+    assert first.stderr.splitlines() == [
+        f"cem-train: stopped by a signal (SIGTERM) at step 5; checkpoint saved in {checkpoints}: "
+        f"start it again to resume (exit status 75)"]
+    assert logged_values(tmp_path, 5, "eval") is None
+    # Started again, it validates step 5 first, then 10 and 15; its 4th validation is the final
+    second = signal_at("eval-4", "SIGTERM", common)
+    assert second.returncode == 75, second.stderr
+    assert second.stderr.splitlines() == [
+        f"cem-train: stopped by a signal (SIGTERM) during the final validation; the checkpoint "
+        f"of step {STEPS} is kept in {checkpoints}: start it again to validate (exit status 75)"]
+    assert (checkpoints / str(STEPS)).is_dir() and logged_values(tmp_path, STEPS, "eval") is None
+    third = run_cli(common)
+    assert third.returncode == 0, third.stderr
+    assert "nothing to train" not in third.stdout and "step 21" not in third.stdout
+    assert logged(tmp_path) == logged(straight)
 
 
 def test_a_run_resumed_and_stopped_before_its_first_step_keeps_what_it_had(
