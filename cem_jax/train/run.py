@@ -12,11 +12,12 @@ evaluates and logs nothing. It ends with one of the exit statuses of
 `cem_jax.train.exits.ExitStatus` and one line saying why (a crash: its traceback, then the
 line): 0 finished, 1 crashed (retry), 2 cannot run as configured, 3 diverged, 75 stopped by
 SIGTERM or SIGINT before its last step (relaunch to resume). A signal stops it at a safe point:
-during start-up with nothing written, after a step with that step saved, or between validation
-batches with the step's checkpoint kept (its validation is done when the run is started again).
-A non-finite loss, gradient or updated parameter stops the run without saving, so the newest
-checkpoint stays good. One cem-train at a time holds a run directory (a lock file, `.lock`). At
-the end: validation loss, perplexity and bits per byte, and a generated sample.
+during start-up with nothing written (a run directory it created is removed again), after a step
+with that step saved, or between validation batches with the step's checkpoint kept (its
+validation is done when the run is started again). A non-finite loss, gradient or updated
+parameter stops the run without saving, so the newest checkpoint stays good. One cem-train at a
+time holds a run directory (a lock file, `.lock`). At the end: validation loss, perplexity and
+bits per byte, and a generated sample.
 
 The steps run in `cem_jax.train.loop.TrainLoop` with the hooks of `cem_jax.train.hooks`.
 Messages go through `logging` (the "cem_jax" loggers; `cem-train` prints them on stdout, from
@@ -32,6 +33,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -63,7 +65,13 @@ from cem_jax.train.config import TrainConfig, load_config, save_config
 from cem_jax.train.dry_run import check_batch_split, check_expected_params, dry_run
 from cem_jax.train.exits import ExitStatus, StoppedBySignal
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
-from cem_jax.train.metrics import MetricsWriter, flops_per_token, logged_values, peak_flops
+from cem_jax.train.metrics import (
+    MetricsWriter,
+    flops_per_token,
+    logged_records,
+    logged_values,
+    peak_flops,
+)
 from cem_jax.train.step import Trainer
 from cem_jax.updates import attention_impl
 
@@ -163,7 +171,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     run.dir a file), FileNotFoundError (a resumed run dir without tokenizer.model), OSError (an
     unwritable run dir, a full disk; `CheckpointWriteError` for a checkpoint); ValueError also
     when `cfg.expected_params` is not the model's parameter count (checked before anything is
-    written)."""
+    written). A run directory this call created is removed again when it raises before the
+    directory holds anything of value (a checkpoint or a logged step)."""
     if cfg.expected_params is not None:
         check_expected_params(cfg)
     if cfg.mesh.distributed:
@@ -176,6 +185,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run.dir {run_dir} is a file, not a directory; give another run.dir")
     exits.check()  # a signal while JAX was imported or initialized: stop before writing
+    created = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # removed if worthless
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -184,10 +194,27 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     try:
         with _run_dir_lock(run_dir, lead):
             return _train(cfg, run_dir, lead)
-    except StoppedBySignal as stop:
-        if stop.where:
-            raise
-        raise _before_first_step(stop, run_dir) from None  # a stop during the start
+    except BaseException as err:
+        if lead:
+            _remove_if_worthless(created)
+        if isinstance(err, StoppedBySignal) and not err.where:  # a stop during the start
+            raise _before_first_step(err, run_dir) from None
+        raise
+
+
+def _remove_if_worthless(created: list[Path]) -> None:
+    """Remove the run directory `created[0]` and the parents created with it (`created`,
+    deepest first) if it holds no checkpoint and no logged step: a start that failed or was
+    stopped leaves nothing behind. An empty list (the directory was there before) removes
+    nothing."""
+    if not created or complete_steps(created[0] / "checkpoints") or logged_records(created[0]):
+        return
+    shutil.rmtree(created[0], ignore_errors=True)
+    for parent in created[1:]:
+        try:
+            parent.rmdir()  # only if nothing else was put there meanwhile
+        except OSError:
+            return
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """SIGINT and SIGTERM during cem-train's start-up, sent by the process to itself at each point
 where the start spends its time (tests/train/signal_at.py; deterministic, not by timing): one
-line, exit status 75, no traceback, nothing half-written left in the data cache and the next
-start unhindered. A second SIGINT leaves at once."""
+line, exit status 75, no traceback, and a run directory the start created is gone again, with
+nothing half-written left in the data cache and the next start unhindered. A second SIGINT
+leaves at once."""
 
 import fcntl
 
@@ -32,6 +33,7 @@ def test_a_signal_during_start_up_is_one_line_and_leaves_nothing(tiny_overrides,
     assert result.returncode == 75, result.stderr
     assert result.stderr.splitlines() == [STOPPED]
     assert "Traceback" not in result.stdout
+    assert not runs.exists()  # created by this start, holding nothing: removed
     assert _cache_files(cache) == cached  # a tokenization stopped midway writes no file
 
 

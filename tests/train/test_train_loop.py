@@ -108,13 +108,18 @@ def test_bad_config_is_named(overrides, field, capsys):
 
 
 def test_missing_validation_corpus_fails_before_training(tiny_overrides, tmp_path, capsys):
-    run_dir = tmp_path / "run"
     missing = tmp_path / "no_such_val.txt"
-    args = [*tiny_overrides, f"run.dir={run_dir}", f"data.val_corpus={missing}"]
-    assert main(args) == 2  # cannot run as configured
+    args = [*tiny_overrides, f"data.val_corpus={missing}"]
+    assert main([*args, f"run.dir={tmp_path / 'runs' / 'new'}"]) == 2  # cannot run as configured
     assert str(missing) in capsys.readouterr().err
-    assert not (run_dir / "metrics.jsonl").exists()  # no step was taken
-    assert not list((run_dir / "checkpoints").glob("*"))
+    assert not (tmp_path / "runs").exists()  # the directories it made held nothing: removed
+    mine = tmp_path / "mine"  # a run directory that was there already is left as it was
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    assert main([*args, f"run.dir={mine}"]) == 2
+    assert (mine / "notes.txt").read_text() == "my notes"
+    assert not (mine / "metrics.jsonl").exists()  # no step was taken
+    assert not list((mine / "checkpoints").glob("*"))
 
 
 def test_flops_of_the_llama_twin_follow_palm_and_tying_saves_the_values():
