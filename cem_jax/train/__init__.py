@@ -18,7 +18,7 @@ def main(argv=None) -> int:
     comes while JAX is imported stops it right after the imports."""
     from cem_jax.train import exits
 
-    with exits.caught():
+    with exits.caught("cem-train"):
         from cem_jax.train.run import main as train_main
 
         return train_main(argv)

@@ -21,9 +21,11 @@ compiler, a peak-FLOPs probe, a handoff to grain's or orbax's threads, a garbage
 callback that swallows it: a traceback of dozens of lines, now and then a crash or a lost
 signal). The run reads the flag at safe points, `check()`: between start-up phases, before each
 document it tokenizes (tokenizing a large corpus takes hours) and before each validation batch;
-the loop stops after a step (`cem_jax.train.hooks.StopOnSignal`). A second SIGINT ends the
-process at once (Ctrl-C twice: leave now, without saving the step in progress; the newest
-checkpoint stays as it is, and the lock goes with the process). The handlers are installed even
+the loop stops after a step (`cem_jax.train.hooks.StopOnSignal`). In cem-train (and cem-compare)
+a second SIGINT ends the process at once (Ctrl-C twice: leave now, without saving the step in
+progress; the newest checkpoint stays as it is, and the lock goes with the process); in a
+process that called `train` itself (a notebook) it raises KeyboardInterrupt, as Python does.
+The handlers are installed even
 where the signals were ignored (a trainer started in the background of a script stops on SIGINT
 too). On several processes with JAX's preemption service, SIGTERM is the service's from
 `jax.distributed.initialize` on (`StopOnSignal`).
@@ -74,11 +76,12 @@ class StoppedBySignal(BaseException):  # noqa: N818 (a stop, not an error)
 
 class _State:
     """The process's handlers: the first signal received, whether `caught` is active (and for
-    which program), the handlers it replaced, and the child process signals go to."""
+    which command, None in-process), the handlers it replaced, and the child process signals
+    go to."""
 
     received: int | None = None
     caught = False
-    program = "cem-train"
+    program: str | None = None
     previous: dict[int, object] = {}
     child: int | None = None
 
@@ -91,6 +94,8 @@ def _handle(signum: int, frame) -> None:
         with contextlib.suppress(ProcessLookupError):  # it has just ended
             os.kill(_State.child, signum)
     elif not first and signum == signal.SIGINT:  # Ctrl-C twice: leave now
+        if _State.program is None:
+            raise KeyboardInterrupt
         _leave_at_once()
 
 
@@ -106,12 +111,13 @@ def _leave_at_once() -> None:
 
 
 @contextlib.contextmanager
-def caught(program: str = "cem-train") -> Iterator[None]:
+def caught(program: str | None = None) -> Iterator[None]:
     """SIGINT and SIGTERM set the flag (see the module docstring) inside the block; the
-    handlers found are put back after it. `program` names the process in the line of a second
-    SIGINT. Nested blocks share the outermost's handlers and flag (a new outermost block starts
-    with the flag clear). Outside the main thread, where Python cannot handle signals, it does
-    nothing."""
+    handlers found are put back after it. `program`: the command whose process this is (a
+    second SIGINT exits it at once, with a line naming it), None for code called in-process (a
+    second SIGINT raises KeyboardInterrupt). Nested blocks share the outermost's handlers, flag
+    and program (a new outermost block starts with the flag clear). Outside the main thread,
+    where Python cannot handle signals, it does nothing."""
     if _State.caught or threading.current_thread() is not threading.main_thread():
         yield
         return

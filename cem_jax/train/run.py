@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except (ValueError, FileNotFoundError) as err:
         return exits.report(ExitStatus.CANNOT_RUN, f"configuration error: {err}")
-    with exits.caught():
+    with exits.caught("cem-train"):
         try:
             if args.dry_run:
                 dry_run(cfg, target=args.target)

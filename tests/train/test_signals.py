@@ -2,12 +2,16 @@
 where the start spends its time (tests/train/signal_at.py; deterministic, not by timing): one
 line, exit status 75, no traceback, and a run directory the start created is gone again, with
 nothing half-written left in the data cache and the next start unhindered. A second SIGINT
-leaves at once."""
+leaves at once (in-process, in a notebook, it is a KeyboardInterrupt)."""
 
 import fcntl
+import os
+import signal
 
 import pytest
 from train_helpers import run_cli, signal_at
+
+from cem_jax.train import exits
 
 STOPPED = ("cem-train: stopped by a signal (SIGINT) before the first step; nothing was trained "
            "(exit status 75)")
@@ -54,3 +58,14 @@ def test_a_second_sigint_leaves_at_once(tiny_overrides, tmp_path):
         "start it again to resume from its newest checkpoint (exit status 75)"]
     with open(tmp_path / ".lock") as lock:  # the lock went with the process
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_in_process_a_signal_is_a_flag_and_a_second_sigint_a_keyboard_interrupt():
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt), exits.caught():  # as train() called in a notebook
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exits.received() == signal.SIGTERM  # noted, nothing raised
+        with pytest.raises(exits.StoppedBySignal, match=r"^stopped by a signal \(SIGTERM\)$"):
+            exits.check()
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before  # put back
