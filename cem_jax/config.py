@@ -2,10 +2,11 @@
 
 The YAML file of an experiment has sections (`model:`, and later `data:`, `optimizer:`, ...);
 `load_yaml` reads it (with the chain of files it names as `base:`, whose values it overrides
-section by section), `apply_overrides` applies `section.key=value` strings (values are parsed as
-YAML scalars, so `steps=2`, `tie_mlp=false`, `dtype=bfloat16` all work), and `from_dict` builds a
-dataclass, rejecting unknown keys. Every check raises `ValueError` naming the field, the value and
-what is allowed (DESIGN.md §1 gives the meaning of each CEM option).
+section by section), `apply_overrides` applies `section.key=value` strings (a value is read as
+its field's type: `steps=2`, `tie_mlp=false`, `dtype=bfloat16`, `dir=runs/exp #2` as written),
+and `from_dict` builds a dataclass, rejecting unknown keys. Every check raises `ValueError`
+naming the field, the value and what is allowed (DESIGN.md §1 gives the meaning of each CEM
+option).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -306,13 +307,17 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return values
 
 
-def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(values: dict[str, Any], overrides: list[str],
+                    sections: Mapping[str, type] | None = None) -> dict[str, Any]:
     """Return a copy of nested `values` with `section.key=value` overrides applied.
 
-    Values are parsed as YAML scalars (`2` → int, `false` → bool, `null` → None); a value that
-    YAML reads as anything else (`KING:` a mapping, `2024-01-01` a date, `*.txt` an alias, `[x`
-    an error) is kept as the string given.
-    Raises `ValueError` for a string without `=` or a path through a non-mapping.
+    A value is read as the type of the field it sets, when `sections` ({section name:
+    dataclass}) names that field: a `str` field gets the text after the first `=` exactly as
+    written (`run.dir=runs/exp #2`, `sample_prompt=Thou art #1`), and a nullable one (`str |
+    None`) also takes `null` or `~` (or nothing) for None. Any other value is parsed as a YAML
+    scalar (`2` → int, `false` → bool, `null` → None); a value that YAML reads as anything else
+    (`KING:` a mapping, `2024-01-01` a date, `*.txt` an alias, `[x` an error) is kept as the
+    string given. Raises `ValueError` for a string without `=` or a path through a non-mapping.
     """
     out = yaml.safe_load(yaml.safe_dump(values))  # deep copy of plain data
     for item in overrides:
@@ -325,8 +330,25 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
-        node[leaf] = _scalar(raw)
+        cls = (sections or {}).get(parents[0]) if len(parents) == 1 else None
+        node[leaf] = _typed_value(raw, _field_type(cls, leaf))
     return out
+
+
+def _field_type(cls: type | None, name: str) -> str | None:
+    """The annotation of field `name` of dataclass `cls` as written ("str | None"), or None."""
+    types = {f.name: str(f.type).replace(" ", "") for f in dataclasses.fields(cls)} if cls \
+        else {}
+    return types.get(name)
+
+
+def _typed_value(raw: str, annotation: str | None) -> Any:
+    """`raw` as a value of a field annotated `annotation` (see `apply_overrides`)."""
+    if annotation == "str":
+        return raw
+    if annotation == "str|None":
+        return None if raw.strip() in ("", "null", "Null", "NULL", "~") else raw
+    return _scalar(raw)
 
 
 def _scalar(raw: str) -> Any:
@@ -349,7 +371,8 @@ def load_section(cls: type[T], section: str, path: str | Path | None = None,
         if item.partition("=")[0].split(".")[0] != section:
             raise ValueError(f"override {item!r} is not in section {section!r}, the only "
                              f"one read here")
-    values = apply_overrides(load_yaml(path) if path is not None else {}, overrides)
+    values = apply_overrides(load_yaml(path) if path is not None else {}, overrides,
+                             {section: cls})
     return from_dict(cls, values.get(section) or {}, section=section)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import sys
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ from cem_jax.config import ModelConfig
 from cem_jax.data.pipeline import document_positions
 from cem_jax.evaluate import positive_int
 from cem_jax.kvcache import cache_bytes, init_cache
+from cem_jax.memory import check_fits, is_out_of_memory
 from cem_jax.model import model_from_params
 
 Array = jax.Array
@@ -51,8 +53,9 @@ class SamplingConfig:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {self.max_new_tokens} must be at least 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature = {self.temperature} must be >= 0")
+        if not 0 <= self.temperature < math.inf:  # nan fails too
+            raise ValueError(f"temperature = {self.temperature} must be a finite number >= 0 "
+                             f"(0 = greedy)")
         if self.top_k < 0:
             raise ValueError(f"top_k = {self.top_k} must be >= 0 (0 = no limit)")
         if not 0 < self.top_p <= 1:
@@ -148,7 +151,9 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     sharding, so that every process can read the tokens). Positions are those of training
     (restarting at 0 at each EOS of `sampling.eos_id`) and may run past the training
     sequence length: RoPE has no table limit, but the model never saw such positions.
-    Raises ValueError for an empty prompt or a token outside the vocabulary.
+    Raises ValueError for an empty prompt or a token outside the vocabulary, and
+    `cem_jax.memory.DoesNotFit` (a ValueError) before compiling when the decode cache alone
+    would exceed the device's memory.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. EOS, a document start)")
@@ -159,6 +164,12 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size})")
     s = sampling
+    bytes_ = cache_bytes(jax.eval_shape(lambda: init_cache(cfg, len(prompts),
+                                                           ids.shape[1] + s.max_new_tokens)))
+    check_fits(bytes_ + (len(prompts) * s.max_new_tokens * cfg.vocab_size * 4 if keep_logits
+                         else 0), f"decoding {len(prompts)} prompt(s) of up to {ids.shape[1]} "
+               f"tokens and {s.max_new_tokens:,} new ones (its cache)", "lower the number of "
+               "new tokens (cem-sample --max-new-tokens) or of prompts")
     options = (np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p),
                np.int32(-1 if s.eos_id is None else s.eos_id), np.bool_(s.stop_at_eos),
                np.int32(s.pad_id), np.uint32(s.seed))
@@ -171,8 +182,6 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
         for b, row in enumerate(tokens):
             hit = np.flatnonzero(row == s.eos_id)
             new[b] = hit[0] + 1 if hit.size else tokens.shape[1]
-    bytes_ = cache_bytes(jax.eval_shape(lambda: init_cache(cfg, len(prompts),
-                                                           ids.shape[1] + s.max_new_tokens)))
     return Generation(tokens, new, logits[:, :int(steps)] if keep_logits else None, bytes_)
 
 
@@ -224,7 +233,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_cfg = run.config.model
     if args.steps is not None:  # test-time recursion (DESIGN.md §1: the steps share weights)
         model_cfg = dataclasses.replace(model_cfg, steps=args.steps)
-    out = generate(run.params, model_cfg, prompts, sampling)
+    try:
+        out = generate(run.params, model_cfg, prompts, sampling)
+    except ValueError as err:  # DoesNotFit: refused before anything was allocated
+        print(f"cem-sample: error: {err}", file=sys.stderr)
+        return 2
+    except jax.errors.JaxRuntimeError as err:
+        if not is_out_of_memory(err):
+            raise
+        print(f"cem-sample: error: decoding needs more memory than the device has "
+              f"({str(err).splitlines()[0]}); lower --max-new-tokens or the number of prompts",
+              file=sys.stderr)
+        return 1
     for text, row, n in zip(texts, out.tokens, out.lengths, strict=True):
         print(text + tok.decode(row[:n]))
         print("-" * 40)

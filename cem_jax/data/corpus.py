@@ -147,17 +147,17 @@ def _expand(spec: str) -> tuple[str, tuple[str, ...]]:
     if kind is None:
         kind = ("jsonl" if pattern.endswith(".jsonl") else
                 "arrayrecord" if pattern.endswith((".array_record", ".arrayrecord")) else "text")
-    if any(c in pattern for c in "*?["):
+    if os.path.isfile(pattern):  # an existing file is itself, whatever its name holds
+        files = (pattern,)
+    elif any(c in pattern for c in "*?["):
         files = tuple(sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)))
         if not files:
             raise FileNotFoundError(f"corpus pattern {pattern!r} matched no files")
     elif os.path.isdir(pattern):
         raise FileNotFoundError(f"corpus path {pattern!r} is a directory: give a file or a "
                                 f"glob such as {os.path.join(pattern, '*.txt')!r}")
-    elif not os.path.isfile(pattern):
-        raise FileNotFoundError(f"corpus file {pattern!r} does not exist")
     else:
-        files = (pattern,)
+        raise FileNotFoundError(f"corpus file {pattern!r} does not exist")
     return kind, files
 
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
 
+from cem_jax.data.config import MIN_VOCAB_SIZE
 from cem_jax.fileio import atomic_file
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -79,8 +81,9 @@ class Tokenizer:
         return out
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """Token ids → text. Special ids (pad, bos, eos, unk) decode to nothing."""
-        return self._sp.decode([int(i) for i in ids])
+        """Token ids → text. Special ids (pad, bos, eos, unk) decode to nothing (sentencepiece
+        alone writes unk as " ⁇ "; a model may sample it, though encoding never gives it)."""
+        return self._sp.decode([int(i) for i in ids if int(i) != self.unk_id])
 
     def id_to_piece(self, token_id: int) -> str:
         """The vocabulary entry of one id, e.g. "▁the" or "<0x0A>"."""
@@ -124,7 +127,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
     random sample is used. Saves to `out_path` when given.
     Raises what reading `texts` raises, and ValueError when `vocab_size` pieces cannot be had
     from the text: fewer than 260 plus the number of distinct characters kept
-    (CHARACTER_COVERAGE), or more than its merges allow.
+    (CHARACTER_COVERAGE), or more than its merges allow; the message names the sizes that work.
     """
     model = io.BytesIO()
     spm.set_random_generator_seed(0)
@@ -151,14 +154,26 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
     except RuntimeError as err:
         if reading_error:
             raise reading_error[0] from None
-        raise ValueError(f"sentencepiece could not train a {vocab_size}-piece BPE model on "
-                         f"this text: {err} (a small corpus holds too few distinct pieces: "
-                         f"lower data.vocab_size and model.vocab_size together, or give a "
-                         f"trained tokenizer as data.tokenizer)") from None
+        raise ValueError(_training_advice(str(err), vocab_size)) from None
     tokenizer = Tokenizer(model.getvalue())
     if out_path is not None:
         tokenizer.save(out_path)
     return tokenizer
+
+
+def _training_advice(error: str, vocab_size: int) -> str:
+    """sentencepiece's training error as what to set: too few pieces in the text ("a value <=
+    M") or more distinct characters than the vocabulary holds ("V vs N required_chars")."""
+    what = f"sentencepiece cannot train a {vocab_size}-piece BPE model on this text"
+    instead = "or give a trained tokenizer as data.tokenizer"
+    if most := re.search(r"Please set it to a value <= (\d+)", error):  # >= MIN_VOCAB_SIZE
+        return (f"{what}: it holds only enough distinct pieces for {most[1]}; set "
+                f"data.vocab_size and model.vocab_size to at most {most[1]} (the least is "
+                f"{MIN_VOCAB_SIZE}), {instead}")
+    if least := re.search(r"smaller than required_chars\. \d+ vs (\d+)", error):
+        return (f"{what}: it has more distinct characters than that many pieces hold; raise "
+                f"data.vocab_size and model.vocab_size to at least {least[1]}, {instead}")
+    return f"{what}: {error}; {instead}"
 
 
 def _paragraphs(texts: Iterable[str]) -> Iterator[str]:

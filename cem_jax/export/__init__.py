@@ -8,8 +8,10 @@
     import       a Hugging Face Llama directory → a baseline run directory (`importer`)
 
 Every writer builds its output in a temporary directory beside `--out` and renames it into place
-at the end (`output.staged_dir`): a failure leaves nothing half-written, and an existing non-empty
-`--out` is only replaced with `overwrite=True`. No pickle: tensors go through safetensors.
+at the end (`output.staged_dir`): a failure leaves nothing half-written. An existing non-empty
+`--out` is only replaced with `overwrite=True`, only when it is an earlier output, and then only
+the files that output wrote (its marker lists them); a directory holding a training run never.
+No pickle: tensors go through safetensors.
 """
 
 from cem_jax.export.output import ExportError

@@ -3,8 +3,9 @@
     cem-export --run runs/cem [--step N] --format safetensors|hf-llama|hf --out DIR [--overwrite]
     cem-import --hf llama_dir --out runs/llama-ft [--config base.yaml] [section.key=value ...]
 
-Exit status: 0 written; 1 the input cannot be read or the format cannot express the model
-(the message names the feature); 2 bad arguments.
+Exit status: 0 written; 1 the input cannot be read, the format cannot express the model (the
+message names the feature) or --out may not be written (`output.check_destination`); 2 bad
+arguments.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import sys
 from collections.abc import Sequence
 
 FORMATS = ("safetensors", "hf-llama", "hf")
+OVERWRITE_HELP = ("replace an earlier cem-export or cem-import output in --out, once the new one "
+                  "is complete: the files it wrote, not the ones added since, and never a run "
+                  "that has trained or is training")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,23 +29,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace a non-empty --out (only once the export is complete)")
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
-    from cem_jax.export.hf import export_hf
-    from cem_jax.export.hf_llama import export_hf_llama
+    from cem_jax.export import hf, hf_llama, safetensors_io
     from cem_jax.export.output import ExportError, check_destination
-    from cem_jax.export.safetensors_io import export_safetensors
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
     from cem_jax.train.checkpoint import CheckpointError
 
     quiet_checkpoint_logs()
-    writers = {"safetensors": export_safetensors, "hf-llama": export_hf_llama, "hf": export_hf}
+    writers = {"safetensors": (safetensors_io.export_safetensors, safetensors_io.FILES),
+               "hf-llama": (hf_llama.export_hf_llama, hf_llama.FILES),
+               "hf": (hf.export_hf, hf.FILES)}
+    write, files = writers[args.format]
     try:
-        check_destination(args.out, args.overwrite, args.run)  # before the (slow) restore
+        check_destination(args.out, args.overwrite, args.run, files)  # before the slow restore
         run = load_run(args.run, args.step)
-        out = writers[args.format](run.params, run.config.model, run.tokenizer.model_proto,
-                                   args.out, args.overwrite)
+        out = write(run.params, run.config.model, run.tokenizer.model_proto, args.out,
+                    args.overwrite)
     except (ExportError, CheckpointError, FileNotFoundError, FileExistsError,
             ValueError) as err:
         print(f"cem-export: error: {err}", file=sys.stderr)
@@ -60,13 +64,13 @@ def import_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config for the data/optimizer/run sections (the "
                         "model's architecture is the Llama's)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
-    from cem_jax.export.importer import import_llama
+    from cem_jax.export.importer import FILES, import_llama
     from cem_jax.export.output import ExportError, check_destination
 
     try:
-        check_destination(args.out, args.overwrite, args.hf)
+        check_destination(args.out, args.overwrite, args.hf, FILES)
         out = import_llama(args.hf, args.out, args.config, args.overrides, args.overwrite)
     except (ExportError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"cem-import: error: {err}", file=sys.stderr)

@@ -25,11 +25,13 @@ from importlib import resources
 from pathlib import Path
 
 from cem_jax.config import ModelConfig
-from cem_jax.export.hf_tokenizer import write_tokenizer
+from cem_jax.export.hf_tokenizer import TOKENIZER_FILES, write_tokenizer
 from cem_jax.export.output import ExportError, file_in, staged_dir
-from cem_jax.export.safetensors_io import write_weights
+from cem_jax.export.safetensors_io import WEIGHTS, write_weights
 
 TEMPLATE_FILES = ("configuration_cem.py", "modeling_cem.py")
+# What the export writes.
+FILES = (*TOKENIZER_FILES, "config.json", "generation_config.json", *TEMPLATE_FILES, WEIGHTS)
 # ModelConfig fields that choose an implementation or a layout, not the function computed.
 IMPLEMENTATION_FIELDS = ("impl", "attention_block", "dtype", "param_dtype", "scan_layers",
                          "remat")
@@ -49,11 +51,12 @@ def export_hf(params: dict, cfg: ModelConfig, tokenizer_model: bytes, out: str |
               overwrite: bool = False) -> Path:
     """Write the `hf` export of a model to directory `out`, atomically. Raises ExportError for
     a model the shipped modeling code cannot run (bfloat16 parameters are exported as they
-    are; the code computes in the parameters' dtype); FileExistsError for a non-empty `out`."""
+    are; the code computes in the parameters' dtype); FileExistsError for an `out` it may not
+    replace (`output.check_destination`)."""
     if cfg.activation not in ("silu", "gelu", "relu"):
         raise ExportError(f"activation {cfg.activation!r} has no PyTorch counterpart here")
     template = resources.files("cem_jax.export") / "hf_template"
-    with staged_dir(out, overwrite) as stage:
+    with staged_dir(out, overwrite, FILES) as stage:
         ids = write_tokenizer(stage, tokenizer_model)
         file_in(stage, "config.json").write_text(json.dumps(hf_config(cfg, ids), indent=2))
         file_in(stage, "generation_config.json").write_text(

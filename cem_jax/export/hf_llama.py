@@ -25,11 +25,13 @@ import numpy as np
 
 from cem_jax.config import ConfigFieldError, ModelConfig
 from cem_jax.energies import ROPE_TYPES
-from cem_jax.export.hf_tokenizer import write_tokenizer
+from cem_jax.export.hf_tokenizer import TOKENIZER_FILES, write_tokenizer
 from cem_jax.export.output import ExportError, file_in, staged_dir, write_safetensors
 from cem_jax.export.safetensors_io import flat_params
 
 ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "relu": "relu"}  # ours → transformers ACT2FN
+# What the export writes.
+FILES = (*TOKENIZER_FILES, "config.json", "generation_config.json", "model.safetensors")
 
 
 def llama_incompatibility(cfg: ModelConfig) -> str | None:
@@ -223,12 +225,12 @@ def export_hf_llama(params: dict, cfg: ModelConfig, tokenizer_model: bytes, out:
     model.safetensors, generation_config.json, tokenizer files) to `out`, atomically.
 
     Raises ExportError (naming the features) when `cfg` is not the Llama baseline;
-    FileExistsError for a non-empty `out`.
+    FileExistsError for an `out` it may not replace (`output.check_destination`).
     """
     reason = llama_incompatibility(cfg)
     if reason:
         raise ExportError(reason)
-    with staged_dir(out, overwrite) as stage:
+    with staged_dir(out, overwrite, FILES) as stage:
         ids = write_tokenizer(stage, tokenizer_model)
         file_in(stage, "config.json").write_text(json.dumps(llama_config(cfg, ids), indent=2))
         file_in(stage, "generation_config.json").write_text(json.dumps(ids, indent=2))

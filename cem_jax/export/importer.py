@@ -25,7 +25,7 @@ from cem_jax.export.hf_llama import from_llama
 from cem_jax.export.output import ExportError, staged_dir
 from cem_jax.export.safetensors_io import unflat_params
 from cem_jax.rundir import write_run
-from cem_jax.train.config import config_from_dict
+from cem_jax.train.config import SECTIONS, config_from_dict
 
 # The model fields set by the Llama's config.json (a config's own values of them are replaced).
 LLAMA_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -33,6 +33,7 @@ LLAMA_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_head
                 "position", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_position", "norm_eps",
                 "tie_embeddings")
+FILES = ("config.yaml", "tokenizer.model", "checkpoints")  # what `write_run` writes
 
 
 def read_llama_dir(directory: str | Path) -> tuple[dict, dict]:
@@ -84,7 +85,8 @@ def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | 
 
     Raises ExportError (not an importable Llama), FileNotFoundError (no tokenizer.model: the
     run needs the sentencepiece model), ValueError (an invalid config, or an override of one
-    of `LLAMA_FIELDS`, which come from the Llama's config.json), FileExistsError.
+    of `LLAMA_FIELDS`, which come from the Llama's config.json), FileExistsError (an `out` it
+    may not replace: `output.check_destination`).
     """
     fixed = [o for o in overrides if o.partition("=")[0] in {f"model.{n}" for n in LLAMA_FIELDS}]
     if fixed:
@@ -101,8 +103,8 @@ def import_llama(hf_dir: str | Path, out: str | Path, config_path: str | Path | 
         print(f"cem-import: note: model.{', model.'.join(ignored)} of {config_path} ignored: "
               f"the architecture comes from the Hugging Face config.json in {hf_dir}",
               file=sys.stderr)
-    values = apply_overrides(values, list(overrides))
-    with staged_dir(out, overwrite) as stage:
+    values = apply_overrides(values, list(overrides), SECTIONS)
+    with staged_dir(out, overwrite, FILES) as stage:
         final = Path(out).absolute()
         values["model"] = {**(values.get("model") or {}),
                            **{n: getattr(model_cfg, n) for n in LLAMA_FIELDS}}

@@ -39,6 +39,7 @@ from cem_jax.model import model_from_params
 
 FORMAT, FORMAT_VERSION = "cem_jax", 1
 WEIGHTS = "model.safetensors"
+FILES = (WEIGHTS, "config.json", "tokenizer.model")  # what the export writes
 
 
 def flat_params(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -110,8 +111,8 @@ def write_weights(directory: Path, params: dict, cfg: ModelConfig, metadata: dic
 def export_safetensors(params: dict, cfg: ModelConfig, tokenizer_model: bytes, out: str | Path,
                        overwrite: bool = False) -> Path:
     """Write the safetensors export of a model to directory `out` (atomically; see
-    `output.staged_dir`). Returns `out`. Raises FileExistsError for a non-empty `out`."""
-    with staged_dir(out, overwrite) as stage:
+    `output.staged_dir`). Returns `out`. Raises FileExistsError for an `out` it may not replace."""
+    with staged_dir(out, overwrite, FILES) as stage:
         write_weights(stage, params, cfg, {"format": "pt", "cem_jax_format": str(FORMAT_VERSION)})
         file_in(stage, "config.json").write_text(json.dumps(config_json(cfg), indent=2) + "\n")
         file_in(stage, "tokenizer.model").write_bytes(tokenizer_model)

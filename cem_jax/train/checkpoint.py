@@ -120,12 +120,26 @@ def complete_steps(directory: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
 
 
+def checkpoint_directory(run_dir: str | Path) -> Path:
+    """The absolute `run_dir/checkpoints`. Raises ValueError when its path holds "[" or "]":
+    orbax reads them as a glob pattern when it joins a checkpoint's per-process parts, so it
+    would write checkpoints there that can never be restored."""
+    directory = (Path(run_dir) / "checkpoints").absolute()
+    if "[" in str(directory) or "]" in str(directory):
+        raise ValueError(f"the run directory {Path(run_dir).absolute()} has '[' or ']' in its "
+                         f"path: orbax would write checkpoints there that can never be restored "
+                         f"(it reads brackets as a glob pattern); rename the folder or choose "
+                         f"another run directory")
+    return directory
+
+
 class Checkpointer:
-    """Save and restore (train state, data iterator, metadata) under `run_dir/checkpoints`."""
+    """Save and restore (train state, data iterator, metadata) under `run_dir/checkpoints`
+    (a path without brackets, `checkpoint_directory`)."""
 
     def __init__(self, run_dir: Path, keep: int):
         drop_failure_echoes()
-        self.directory = (Path(run_dir) / "checkpoints").absolute()
+        self.directory = checkpoint_directory(run_dir)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)

@@ -9,6 +9,7 @@ file (which may inherit from another through `base:`, see `cem_jax.config.load_y
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ class OptimizerConfig:
     lr: peak learning rate, reached after `warmup_steps`; it then decays along a cosine to
       `lr * min_lr_ratio` at `run.steps`. b1, b2, eps: Adam's moments. weight_decay: decoupled
       decay on matrices only (not on norms, biases, DPLR diagonals or preconditioner
-      parameters). clip_norm: global gradient-norm clip (0 = off).
+      parameters). clip_norm: global gradient-norm clip (0 or null = off; null is read as 0).
     accumulation_steps: micro-batches per step (the global batch is split into this many and
       their gradients averaged inside one compiled step).
     """
@@ -44,18 +45,22 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    clip_norm: float = 1.0
+    clip_norm: float | None = 1.0
     accumulation_steps: int = 1
 
     def __post_init__(self):
         check_field_types(self)
+        if self.clip_norm is None:
+            object.__setattr__(self, "clip_norm", 0.0)  # off, as 0 is
         require(self.lr > 0, "lr", self.lr, "> 0")
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, ">= 0")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
         for name in ("b1", "b2"):
             require(0 <= getattr(self, name) < 1, name, getattr(self, name), "in [0, 1)")
-        for name in ("eps", "weight_decay", "clip_norm"):
+        for name in ("eps", "weight_decay"):
             require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        require(self.clip_norm >= 0, "clip_norm", self.clip_norm,
+                ">= 0 (0 or null turns clipping off)")
         require(self.accumulation_steps >= 1, "accumulation_steps", self.accumulation_steps,
                  "a positive integer")
 
@@ -97,7 +102,9 @@ class RunConfig:
     """What the loop does and where it writes.
 
     dir: the run directory (config, tokenizer, metrics, checkpoints); an existing one with a
-      checkpoint is resumed. steps: optimizer steps in all. seed: parameter init seed.
+      checkpoint is resumed. A leading `~` is the home directory; no '[' or ']' in its path
+      (`cem_jax.train.checkpoint.checkpoint_directory`). steps: optimizer steps in all.
+      seed: parameter init seed.
     log_every / eval_every / checkpoint_every: in steps (eval and checkpoint also at the end).
     eval_batches: validation batches per evaluation (null: the whole split, exact bits per byte).
     keep_checkpoints: the newest K kept. peak_flops: the device's peak FLOP/s for MFU (null:
@@ -129,6 +136,7 @@ class RunConfig:
     def __post_init__(self):
         check_field_types(self)
         require(self.dir.strip() != "", "dir", self.dir, "a non-empty path")
+        object.__setattr__(self, "dir", os.path.expanduser(self.dir))  # as a shell would
         for name in ("steps", "log_every", "eval_every", "checkpoint_every",
                      "keep_checkpoints"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
@@ -203,7 +211,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     an unknown or invalid field).
     """
     values = load_yaml(path) if path is not None else {}
-    return config_from_dict(apply_overrides(values, list(overrides)))
+    return config_from_dict(apply_overrides(values, list(overrides), SECTIONS))
 
 
 def save_config(cfg: TrainConfig, path: Path) -> None:

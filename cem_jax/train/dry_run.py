@@ -43,6 +43,7 @@ from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
 
 from cem_jax.config import ModelConfig
+from cem_jax.memory import check_fits
 from cem_jax.model import CEMTransformer, count_params
 from cem_jax.sharding import (
     MESH_AXES,
@@ -153,6 +154,25 @@ def check_batch_split(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> int:
         raise ValueError(f"a micro-batch of {rows} rows (data.batch_size / optimizer."
                          f"accumulation_steps) cannot be split over data×fsdp = {split} devices")
     return rows
+
+
+def check_fits_in_memory(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
+    """Raise `cem_jax.memory.DoesNotFit` (a ValueError) when a lower bound of one train step's
+    memory per device exceeds the device's (`cem_jax.memory.device_memory_bytes`): the
+    parameters, their gradients and Adam's two moments (4 x the parameter bytes, split over
+    fsdp x tensor) and `activation_estimate`. A model that cannot fit is refused in one line
+    before anything is written, instead of an out-of-memory traceback after."""
+    count = param_counts(cfg.model)["total"]
+    params = count * jnp.dtype(cfg.model.param_dtype).itemsize
+    state = 4 * params // (mesh.shape["fsdp"] * mesh.shape["tensor"])
+    act = activation_estimate(cfg.model, mesh, check_batch_split(cfg, mesh), cfg.data.seq_len)
+    remat = "" if cfg.model.remat == "full" else ", set model.remat=full"
+    check_fits(state + act["total"], f"a train step of this {count:,}-parameter model "
+               f"(parameters, gradients, optimizer state: {state / 1e9:,.1f} GB per device; "
+               f"activations {act['total'] / 1e9:,.1f} GB)",
+               f"make the model smaller (model.d_model, model.mlp_dim, model.num_layers), split "
+               f"it over more devices (mesh.fsdp), or lower data.batch_size{remat} "
+               f"(`cem-train --dry-run` sizes a config without running it)")
 
 
 def dry_run(cfg: TrainConfig, echo: Callable[[str], None] = print,

@@ -151,8 +151,8 @@ class StopOnSignal:
     (`multihost_utils.reached_preemption_sync_point`: no collective per step; every host stops
     at the sync step it agrees on), when that service is enabled; SIGINT (and SIGTERM without
     the service) sets the flag, which the processes agree on every `agree_every` steps (one
-    small all-gather then, a device computation queued behind the step in flight, so those
-    steps wait for it).
+    small all-gather then, a device computation queued behind the step in flight: those steps
+    are finished first, `StepInfo.finish`, so the wait counts as training time).
     """
 
     def __init__(self, agree_every: int, first_step: int):
@@ -161,17 +161,19 @@ class StopOnSignal:
         self.preemption_service = self.multihost and jax.config.jax_enable_preemption_service
 
     def __call__(self, info: StepInfo) -> None:
-        if not self._stop(info.step):
+        if not self._stop(info):
             return
         if info.step == self.first_step + 1:
             raise StoppedBySignal(exits.received() or signal.SIGTERM)  # SIGTERM: the service's
         info.request_stop()
 
-    def _stop(self, step: int) -> bool:
+    def _stop(self, info: StepInfo) -> bool:
         raised = exits.received() is not None
         if not self.multihost:
             return raised
-        if self.preemption_service and multihost_utils.reached_preemption_sync_point(step):
+        if self.preemption_service and multihost_utils.reached_preemption_sync_point(info.step):
             return True
-        return step % self.agree_every == 0 and bool(
-            np.any(multihost_utils.process_allgather(np.int32(raised))))
+        if info.step % self.agree_every:
+            return False
+        info.finish()  # the all-gather waits for this step: that wait is training time
+        return bool(np.any(multihost_utils.process_allgather(np.int32(raised))))

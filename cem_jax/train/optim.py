@@ -16,11 +16,15 @@ NO_DECAY = ("norm", "final_norm", "precond", "diag", "bias")  # path names exemp
 
 
 def learning_rate(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    """0 → `cfg.lr` linearly over `warmup_steps`, then a cosine down to `lr·min_lr_ratio` at
-    `total_steps` (constant after)."""
+    """The rate of step n = 1 … `total_steps`, as a function of the steps taken before it
+    (n - 1, the count optax passes): lr·n/W over the first W = `warmup_steps` steps (so step 1
+    already learns), then a cosine down to `lr·min_lr_ratio` at step `total_steps` (constant
+    after). A warmup longer than the run is cut to it (the rate peaks at its last step)."""
     warmup = min(cfg.warmup_steps, total_steps)
-    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(total_steps, warmup + 1),
-                                              end_value=cfg.lr * cfg.min_lr_ratio)
+    by_step = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup,
+                                                 max(total_steps, warmup + 1),
+                                                 end_value=cfg.lr * cfg.min_lr_ratio)
+    return lambda taken: by_step(taken + 1)
 
 
 def decay_mask(params) -> dict:

@@ -16,7 +16,9 @@ during start-up with nothing written (a run directory it created is removed agai
 with that step saved, or between validation batches with the step's checkpoint kept (its
 validation is done when the run is started again). A non-finite loss, gradient or updated
 parameter stops the run without saving, so the newest checkpoint stays good. One cem-train at a
-time holds a run directory (a lock file, `.lock`). At the end: validation loss, perplexity and
+time holds a run directory (a lock file, `.lock`); cem-export and cem-import never replace a
+directory while it is held, nor once a run trained there (a cem-import's run directory stops
+being an import output when it starts training). At the end: validation loss, perplexity and
 bits per byte, and a generated sample.
 
 The steps run in `cem_jax.train.loop.TrainLoop` with the hooks of `cem_jax.train.hooks`.
@@ -57,12 +59,19 @@ from cem_jax.data import (
 from cem_jax.data.config import NOT_IN_TOKEN_STREAM
 from cem_jax.data.shakespeare import FetchError
 from cem_jax.evaluate import describe, evaluate
+from cem_jax.export.output import unmark_output
+from cem_jax.memory import is_out_of_memory
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
 from cem_jax.train import exits, hooks
-from cem_jax.train.checkpoint import Checkpointer, CheckpointError, complete_steps
+from cem_jax.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    checkpoint_directory,
+    complete_steps,
+)
 from cem_jax.train.config import TrainConfig, load_config, save_config
-from cem_jax.train.dry_run import check_batch_split, check_expected_params, dry_run
+from cem_jax.train.dry_run import check_expected_params, check_fits_in_memory, dry_run
 from cem_jax.train.exits import ExitStatus, StoppedBySignal
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
 from cem_jax.train.metrics import (
@@ -117,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_to_stdout()
     try:
         cfg = load_config(args.config, args.overrides)
+        check_config_location(args.config, args.overrides, cfg)
     except (ValueError, FileNotFoundError) as err:
         return exits.report(ExitStatus.CANNOT_RUN, f"configuration error: {err}")
     with exits.caught("cem-train"):
@@ -146,7 +156,7 @@ def _failed(err: Exception, run_dir: Path) -> int:
                 else "no checkpoint was written yet")
         return exits.report(ExitStatus.CANNOT_RUN, f"error: cannot write {err.filename}: "
                             f"{err.strerror}; {_DISK_FULL_ADVICE[err.errno]} ({kept})")
-    if isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err):
+    if isinstance(err, jax.errors.JaxRuntimeError) and is_out_of_memory(err):
         return exits.report(
             ExitStatus.CANNOT_RUN, f"error: the step needs more memory than the device has "
             f"({str(err).splitlines()[0]}); lower data.batch_size or data.seq_len, raise "
@@ -160,6 +170,25 @@ def _failed(err: Exception, run_dir: Path) -> int:
     return exits.report(ExitStatus.CRASHED, f"crashed: {type(err).__name__}: {cause}")
 
 
+def check_config_location(config: str | None, overrides: Sequence[str],
+                          cfg: TrainConfig) -> None:
+    """A config read from inside a run directory (a config.yaml beside that run's checkpoints,
+    tokenizer or metrics) trains that directory: ValueError when it names another run.dir (the
+    run was moved or copied) and no `run.dir=` override says which one is meant."""
+    if config is None or any(o.startswith("run.dir=") for o in overrides):
+        return
+    path = Path(config)
+    home = path.parent
+    if path.name != "config.yaml" or not any(
+            (home / name).exists() for name in ("checkpoints", "tokenizer.model", "metrics.jsonl")):
+        return
+    if Path(cfg.run.dir).resolve() != home.resolve():
+        raise ValueError(f"{path} is the config of the run directory {home}, but it names "
+                         f"run.dir {cfg.run.dir} (was the run moved or copied?): add "
+                         f"run.dir={home} to train the run in {home}, or run.dir={cfg.run.dir} "
+                         f"to train the one there")
+
+
 @exits.caught()
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "eval":
@@ -170,9 +199,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     RunDirInUse (another cem-train holds the directory), ValueError (config/run dir mismatch,
     run.dir a file), FileNotFoundError (a resumed run dir without tokenizer.model), OSError (an
     unwritable run dir, a full disk; `CheckpointWriteError` for a checkpoint); ValueError also
-    when `cfg.expected_params` is not the model's parameter count (checked before anything is
-    written). A run directory this call created is removed again when it raises before the
-    directory holds anything of value (a checkpoint or a logged step)."""
+    when `cfg.expected_params` is not the model's parameter count, when the batch cannot be
+    split over the mesh, and (`cem_jax.memory.DoesNotFit`) when a train step cannot fit in the
+    device's memory: all checked before anything is written. A run directory this call created
+    is removed again when it raises before the directory holds anything of value (a checkpoint
+    or a logged step)."""
     if cfg.expected_params is not None:
         check_expected_params(cfg)
     if cfg.mesh.distributed:
@@ -181,7 +212,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     m = cfg.model  # an impl this platform cannot run fails before anything is written
     attention_impl(m.impl, jnp.dtype(m.dtype), m.head_width, tied=m.tie_attention)
     lead = jax.process_index() == 0
+    mesh = make_mesh(cfg.mesh)
+    check_fits_in_memory(cfg, mesh)  # as the next check, before anything is written
     run_dir = Path(cfg.run.dir)
+    checkpoint_directory(run_dir)  # a path orbax cannot restore from
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run.dir {run_dir} is a file, not a directory; give another run.dir")
     exits.check()  # a signal while JAX was imported or initialized: stop before writing
@@ -193,7 +227,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                       f"a run.dir in a writable place") from None
     try:
         with _run_dir_lock(run_dir, lead):
-            return _train(cfg, run_dir, lead)
+            return _train(cfg, run_dir, mesh, lead)
     except BaseException as err:
         if lead:
             _remove_if_worthless(created)
@@ -247,9 +281,8 @@ def _run_dir_lock(run_dir: Path, lead: bool) -> Iterator[None]:
         yield
 
 
-def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
-    mesh = make_mesh(cfg.mesh)
-    check_batch_split(cfg, mesh)
+def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
+           lead: bool) -> dict[str, Any]:
     with contextlib.ExitStack() as closing:  # closed on errors too
         checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
         closing.callback(checkpointer.close)
@@ -261,6 +294,11 @@ def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
                                   f"another run.dir")
         if resume_step is not None:
             _check_resumed_config(cfg, run_dir, resume_step, report=finished is None)
+        if finished is None and cfg.optimizer.warmup_steps > cfg.run.steps:
+            logger.warning("optimizer.warmup_steps = %d is more than run.steps = %d: the warmup "
+                           "is cut to %d steps, so the rate reaches optimizer.lr only at the "
+                           "last step and never decays; lower optimizer.warmup_steps",
+                           cfg.optimizer.warmup_steps, cfg.run.steps, cfg.run.steps)
         tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
         for split in ("train", "validation")[:1 + cfg.data.has_validation]:
             load_tokens(cfg.data, tokenizer, split, exits.check)  # a bad corpus fails now
@@ -276,6 +314,7 @@ def _train(cfg: TrainConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
             logger.info("resumed %s from step %d", run_dir, resume_step)
         exits.check()
         if lead and finished is None:  # once the checkpoint is known good, and to be trained
+            unmark_output(run_dir)  # a cem-import's run becomes a run no --overwrite replaces
             save_config(cfg, run_dir / "config.yaml")
         first = resume_step or 0
         if finished is not None:  # started again after its end: report, write nothing

@@ -28,6 +28,20 @@ def test_recursive_glob_and_text_prefix(tmp_path):
         (str(tmp_path / "x" / "y" / "deep.jsonl"), "not json, read as text")]
 
 
+def test_an_existing_file_is_itself_whatever_its_path_holds(tmp_path):
+    folder = tmp_path / "corpus[v2]"  # a glob would read [v2] as one of 'v' or '2'
+    folder.mkdir()
+    (folder / "a.txt").write_text("one")
+    assert docs(str(folder / "a.txt")) == [(str(folder / "a.txt"), "one")]
+
+
+def test_a_tilde_is_the_home_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "a.txt").write_text("home text")
+    assert docs("~/a.txt")[0][1] == "home text"
+    assert DataConfig(tokenizer="~/t.model").tokenizer == str(tmp_path / "t.model")
+
+
 def test_bom_and_crlf_are_normalized(tmp_path):
     (tmp_path / "w.txt").write_bytes(b"\xef\xbb\xbfline one\r\nline two\r\n")
     assert docs(str(tmp_path / "w.txt"))[0][1] == "line one\nline two\n"

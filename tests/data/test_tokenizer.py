@@ -1,5 +1,7 @@
 """The sentencepiece tokenizer: exact vocab, fixed ids, lossless round trip, vocab checks."""
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -51,6 +53,15 @@ def test_round_trip_of_tricky_text(tokenizer, text):
     assert tokenizer.encode_batch([text, "x"]) == [tokenizer.encode(text), tokenizer.encode("x")]
 
 
+def test_special_ids_decode_to_nothing(tokenizer):
+    """pad, unk, bos and eos, as a model may sample them: no " ⁇ " for unk (sentencepiece's)."""
+    king, queen = tokenizer.encode("the king"), tokenizer.encode(" queen")
+    for special in (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+        assert tokenizer.decode([special]) == ""
+        assert tokenizer.decode([*king, special, *queen]) == "the king queen"
+    assert tokenizer.decode([UNK_ID, UNK_ID, *king]) == "the king"
+
+
 def test_training_is_deterministic(small_corpus, tmp_path):
     texts = [p.read_text() for p in sorted(small_corpus["train"].glob("*.txt"))]
     first = train_tokenizer(texts, 350, tmp_path / "a.model")
@@ -59,9 +70,20 @@ def test_training_is_deterministic(small_corpus, tmp_path):
     assert (tmp_path / "a.model").read_bytes() == first.model_proto
 
 
-def test_vocab_larger_than_the_text_allows_is_a_clear_error():
-    with pytest.raises(ValueError, match="could not train a 5000-piece BPE model on this text"):
-        train_tokenizer(["tiny text, few merges"], 5000)
+def test_a_vocabulary_the_text_cannot_fill_gets_sizes_that_work():
+    """sentencepiece's limits as settings that work: the most pieces a small text yields (which
+    the vocab_size floor admits: it once was 320, above what such a text yields), and the least
+    that its characters need (it once said to lower the size)."""
+    with pytest.raises(ValueError) as raised:
+        train_tokenizer(["ab ab"], 320)
+    most = int(re.search(r"set data.vocab_size and model.vocab_size to at most (\d+) \(the "
+                         r"least is 261\), or give a trained tokenizer", str(raised.value))[1])
+    assert 261 <= most < 320 and train_tokenizer(["ab ab"], most).vocab_size == most
+    wide = "".join(chr(0x4E00 + i) for i in range(400)) * 3  # 400 distinct characters
+    with pytest.raises(ValueError, match="more distinct characters than that many pieces hold; "
+                       "raise data.vocab_size and model.vocab_size to at least 660"):
+        train_tokenizer([wide], 320)
+    assert train_tokenizer([wide], 660).vocab_size == 660
 
 
 def test_an_error_reading_the_text_is_raised_as_itself():

@@ -51,6 +51,32 @@ def test_a_text_prompt_continues_as_cem_sample(make_run, tokenizer, tmp_path, fm
     assert output[0].tolist() == _cem_sample_ids(tokenizer, cfg, params, text, 8)
 
 
+@pytest.mark.parametrize("fmt", list(MODELS))
+def test_literal_special_pieces_are_text_as_in_cem_sample(make_run, tokenizer, tmp_path, fmt):
+    """"</s>" typed in a prompt is four characters for cem-sample and for the exported
+    tokenizer alike (not EOS, a document start mid-prompt), and survives skip_special_tokens;
+    a sampled unknown id decodes to nothing in both."""
+    from transformers import AutoTokenizer
+
+    run_dir, _, _ = make_run(**MODELS[fmt])
+    out = tmp_path / "out"
+    assert cli.main(["--run", str(run_dir), "--format", fmt, "--out", str(out)]) == 0
+    hf_tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    pieces = [tokenizer.id_to_piece(i) for i in (tokenizer.eos_id, tokenizer.bos_id,
+                                                  tokenizer.pad_id, tokenizer.unk_id)]
+    assert pieces == ["</s>", "<s>", "<pad>", "<unk>"]
+    texts = [f"the king{piece}queen" for piece in pieces] + [
+        "<s>Thou art</s>", "a <pad> b<unk>c </s></s>", "<<s>>", "The king doth speak.\n"]
+    for text in texts:
+        ids = hf_tokenizer(text)["input_ids"]
+        assert ids == [tokenizer.eos_id] + tokenizer.encode(text), text
+        assert hf_tokenizer.decode(ids, skip_special_tokens=True) == text
+    king = tokenizer.encode("the king")
+    sampled = [tokenizer.eos_id, *king, tokenizer.unk_id, *tokenizer.encode(" queen")]
+    assert (tokenizer.decode(sampled) == hf_tokenizer.decode(sampled, skip_special_tokens=True)
+            == "the king queen")
+
+
 def test_the_readme_loading_code_runs_without_prompt_or_warning(make_run, tokenizer, tmp_path,
                                                                  monkeypatch, caplog, capsys):
     """The README's Python block, run as written on an `hf` export in ./exported: it prints the

@@ -10,6 +10,7 @@ import types
 import numpy as np
 import pytest
 
+from cem_jax.train import hooks
 from cem_jax.train import loop as loop_module
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
 
@@ -127,6 +128,40 @@ def test_the_train_clock_counts_the_wait_for_the_device_and_not_the_hooks(monkey
     times = [clock for _, clock in clocks]
     assert list(np.diff(times)) == [1.0] * 5
     assert now[0] == 6 * 1.0 + 4 * 10.0 + 10.0  # steps 2, 3, 4, 6 and 6 again
+
+
+def test_the_train_clock_is_right_when_processes_agree_on_a_stop(monkeypatch):
+    """On several processes `StopOnSignal` agrees every 2 steps by an all-gather, which waits
+    for the step in flight (1 s of device time, spent once whoever waits first): every one-step
+    speed window is still that step's 1 s (the wait inside the paused hook clock left windows
+    of 0 s: MFU 17,690% on 2 processes)."""
+    now, done, dispatched, found_done = [0.0], set(), [], []
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def wait_for(step: int) -> None:
+        if step not in done:
+            done.add(step)
+            now[0] += 1.0
+
+    def step_fn(state, batch):
+        dispatched.append(state + 1)
+        return state + 1, {"loss": Probe([], state + 1, 1.0, lambda: wait_for(state + 1))}
+
+    def all_gather(flag):
+        found_done.append(dispatched[-1] in done)
+        wait_for(dispatched[-1])
+        return np.array([flag])
+
+    monkeypatch.setattr(hooks.multihost_utils, "process_allgather", all_gather)
+    loop = TrainLoop(step_fn, 0, iter(range(100)), first_step=0, last_step=6)
+    clocks = []
+    loop.add_hook(lambda info: clocks.append(info.train_clock()))
+    stop = hooks.StopOnSignal(agree_every=2, first_step=0)
+    stop.multihost, stop.preemption_service = True, False
+    loop.add_hook(stop, reads="state")
+    loop.run()
+    assert found_done == [True, True, True]  # steps 2, 4, 6: finished (counted) before
+    assert list(np.diff(clocks)) == [1.0] * 5
 
 
 def test_hook_every_must_be_positive():

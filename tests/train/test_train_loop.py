@@ -78,6 +78,28 @@ def test_accumulation_of_4_micro_batches_equals_the_big_batch():
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
 
 
+def test_the_first_warmup_step_learns_and_a_warmup_longer_than_the_run_is_said(
+        tiny_overrides, tmp_path, capsys):
+    schedule = learning_rate(OptimizerConfig(lr=1e-2, warmup_steps=4, min_lr_ratio=0.1), 10)
+    rates = [float(schedule(step - 1)) for step in (1, 2, 4, 7, 10)]  # by the steps taken
+    assert rates == pytest.approx([2.5e-3, 5e-3, 1e-2, 1e-2 * (0.1 + 0.9 * 0.5), 1e-3])
+    model = ModelConfig(vocab_size=320, d_model=32, num_layers=1, num_heads=2, mlp_dim=64)
+    trainer = Trainer(model, OptimizerConfig(lr=1e-2, warmup_steps=4), 10,
+                      make_mesh(MeshConfig()))
+    state = trainer.init(0)
+    before = jax.device_get(state["params"])
+    state, step_metrics = trainer.train_step(
+        state, global_batch(_batch(np.random.default_rng(0), 4, 8, 320), trainer.mesh))
+    assert float(step_metrics["lr"]) == pytest.approx(2.5e-3)
+    moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), before,
+                         jax.device_get(state["params"]))
+    assert min(jax.tree.leaves(moved)) > 0  # every parameter learned at step 1
+    assert main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=2", "run.sample_tokens=0",
+                 "optimizer.warmup_steps=5"]) == 0
+    assert "optimizer.warmup_steps = 5 is more than run.steps = 2: the warmup is cut to 2 " \
+           "steps" in capsys.readouterr().out
+
+
 def test_no_weight_decay_on_norms_diagonals_and_preconditioners():
     params = {"embed": 0, "final_norm": {"scale": 0},
               "blocks": {"attention": {"mixer": {"query": 0, "diag": 0}, "norm": {"scale": 0},
@@ -101,10 +123,17 @@ def test_no_weight_decay_on_norms_diagonals_and_preconditioners():
     (["model.tie_attention=false", "model.interaction=dplr"], "'model.interaction'"),
     (["mesh.data=-1", "mesh.fsdp=-1"], "'mesh.fsdp' = -1 is invalid: it must be a positive "
      "integer, since data is -1 already"),
+    (["optimizer.clip_norm=-1"], "'optimizer.clip_norm' = -1.0 is invalid: it must be >= 0 (0 "
+     "or null turns clipping off)"),
 ])
 def test_bad_config_is_named(overrides, field, capsys):
     assert main(["--config", "configs/shakespeare_cem.yaml", *overrides]) == 2
     assert field in capsys.readouterr().err
+
+
+def test_a_null_clip_norm_turns_clipping_off():
+    assert load_config(None, ["optimizer.clip_norm=null"]).optimizer.clip_norm == 0.0
+    assert load_config(None, []).optimizer.clip_norm == 1.0
 
 
 def test_missing_validation_corpus_fails_before_training(tiny_overrides, tmp_path, capsys):
@@ -365,6 +394,18 @@ def test_an_error_in_training_ends_with_its_status_and_one_line(
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == line
     assert ("Traceback (most recent call last)" in err) == (status == 1)
+
+
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_written(tiny_overrides,
+                                                                         tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main([*tiny_overrides, f"run.dir={run_dir}", "model.d_model=16384",
+                 "model.mlp_dim=65536", "model.num_heads=128"]) == 2  # cannot run as configured
+    err = capsys.readouterr().err
+    assert "a train step of this 5,375,344,644-parameter model (parameters, gradients, " \
+           "optimizer state: 86.0 GB per device" in err and "more than the" in err
+    assert "mesh.fsdp" in err and err.count("\n") == 1
+    assert not run_dir.exists()
 
 
 def test_an_unwritable_run_dir_is_named_and_a_finished_one_still_reports(
