@@ -30,12 +30,15 @@ and the energy after each step with every sub-layer run for N = `--recursion-ste
 Each run trains in its own `python -m cem_jax.train` process, in
 RUNS_DIR/<config stem>/steps<N>_seed<s> (its output in train.log there): a crash or a NaN in one
 run is a row marked failed, not the end of the comparison, and every run starts from a fresh JAX
-runtime, so one run's memory or compile cache does not shape the next one's speed. Run again,
-it reuses finished runs (and the evaluations cached in their analysis.json) and resumes
-unfinished ones. The overrides apply to every config. A run directory holding another run
-(model, data, optimizer, steps or seed) is refused: use another --runs-dir. Whatever follows the
-END marker in an existing output file (a reading of the results) is kept on rewrite. The report
-itself (tables, intervals, figures) is written by `cem_jax.compare_report`.
+runtime, so one run's memory or compile cache does not shape the next one's speed. SIGINT or
+SIGTERM (Ctrl-C) goes to the run in training, which stops at a safe point and saves, and ends
+the comparison after it without a report (status 75, as cem-train's); so does a run stopped by a
+signal of its own. Run again, it reuses finished runs (and the evaluations cached in their
+analysis.json) and resumes unfinished ones. The overrides apply to every config. A run
+directory holding another run (model, data, optimizer, steps or seed) is refused: use another
+--runs-dir. Whatever follows the END marker in an existing output file (a reading of the
+results) is kept on rewrite. The report itself (tables, intervals, figures) is written by
+`cem_jax.compare_report`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,15 +64,19 @@ from cem_jax.data import make_eval_batches
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run, positive_int
 from cem_jax.monitor import descent_statistics, preconditioner_stats
 from cem_jax.rundir import Run, load_run
+from cem_jax.train import exits
 from cem_jax.train.config import TrainConfig, load_config
 from cem_jax.train.metrics import logged_records, logged_values
 
 BUDGETS = ("steps", "flops")
+# How a row's note words cem-train's exit status (`cem_jax.train.exits.ExitStatus`).
+_STATUS_WORDS = {1: "crashed", 2: "cannot run as configured", 3: "diverged",
+                 75: "stopped by a signal: run cem-compare again to resume it"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `cem-compare`; returns 0 if every run finished, 1 if one failed, 2 on bad
-    arguments or configs."""
+    arguments or configs, 75 when a signal stopped it (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = parser.parse_args(argv)
@@ -109,10 +117,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     unwritable = _unwritable(args.out, args.budget)  # found now, not after an hour of training
     if unwritable:
         parser.error(unwritable)
-    results = {key: train_one(spec) for key, spec in runs.items()}
-    first = next(iter(plans.values()))
-    for (stem, steps, seed), row in results.items():
-        if row["ok"]:
+    with exits.caught("cem-compare"):
+        results = {}
+        for key, spec in runs.items():
+            results[key] = train_one(spec)
+            if results[key]["stopped"] or exits.received() is not None:
+                return _stopped(f"while training {spec.stem} seed {spec.seed} (its "
+                                f"{Path(results[key]['dir']) / 'train.log'} says what it saved)")
+        first = next(iter(plans.values()))
+        for (stem, steps, seed), row in results.items():
+            if exits.received() is not None:
+                return _stopped("before the report")
+            if not row["ok"]:
+                continue
             of_first = first.get(stem) == steps  # descent and recursion: the first table's runs
             analyze(row, runs[stem, steps, seed].cfg, ood=args.ood,
                     descent_batches=args.descent_batches
@@ -125,6 +142,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.write(args.out)
     print(f"cem-compare: wrote {args.out} and its figures")
     return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+def _stopped(where: str) -> int:
+    """cem-compare's last line when a signal stopped it (no report is written: it would lack
+    the runs still to do); returns 75, cem-train's status for a stop (`ExitStatus.STOPPED`)."""
+    status = int(exits.ExitStatus.STOPPED)
+    signum = exits.received()
+    name = f" ({signal.Signals(signum).name})" if signum is not None else ""
+    print(f"cem-compare: stopped by a signal{name} {where}; run the same command again to go on "
+          f"from there (exit status {status})", file=sys.stderr)
+    return status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -250,7 +278,8 @@ def train_one(spec: RunSpec) -> dict:
     """Train (or resume, or reuse) one run; returns its result as a dict: "ok", "note",
     "dir", "seed", "steps", "wall_s" and `read_metrics`' fields."""
     cfg, run_dir = spec.cfg, Path(spec.cfg.run.dir)
-    row = {"dir": str(run_dir), "seed": spec.seed, "steps": spec.steps, "ok": False, "note": ""}
+    row = {"dir": str(run_dir), "seed": spec.seed, "steps": spec.steps, "ok": False, "note": "",
+           "stopped": False}
     clash = _other_run(run_dir, cfg)
     if clash:
         row["note"] = clash
@@ -264,17 +293,29 @@ def train_one(spec: RunSpec) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with open(run_dir / "train.log", "a") as log:
-            status = subprocess.run([sys.executable, "-m", "cem_jax.train", "--config",
-                                     spec.path, *spec.args], stdout=log,
-                                    stderr=subprocess.STDOUT).returncode
+            status = train_process(["--config", spec.path, *spec.args], log)
         wall += time.perf_counter() - start
         book.write_text(json.dumps({"wall_s": wall}))
+        row["stopped"] = status == exits.ExitStatus.STOPPED
         if status != 0:
-            row["note"] = f"cem-train exited with status {status}; see {run_dir / 'train.log'}"
+            words = _STATUS_WORDS.get(status, "killed" if status < 0 else "crashed")
+            row["note"] = (f"cem-train exited with status {status} ({words}); see "
+                           f"{run_dir / 'train.log'}")
             print(f"cem-compare: {spec.stem}: {row['note']}", file=sys.stderr)
     row.update(read_metrics(run_dir, cfg), wall_s=wall)
     row["ok"] = not row["note"] and _finished(run_dir, cfg)
     return row
+
+
+def train_process(argv: list[str], log) -> int:
+    """Run `python -m cem_jax.train ARGV` with its output in the file `log`; returns its exit
+    status (`cem_jax.train.exits.ExitStatus`, or -N for a kill by signal N). It runs in its own
+    session, and a SIGINT or SIGTERM that cem-compare receives meanwhile is passed on to it (a
+    Ctrl-C in the terminal reaches it once: it stops at a safe point and saves)."""
+    child = subprocess.Popen([sys.executable, "-m", "cem_jax.train", *argv], stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    with exits.forwarding(child.pid):
+        return child.wait()
 
 
 def read_metrics(run_dir: Path, cfg: TrainConfig) -> dict:

@@ -72,13 +72,16 @@ def make_eval_step(cfg: ModelConfig, mesh: jax.sharding.Mesh,
 def evaluate(params: dict, model_cfg: ModelConfig, data_cfg: DataConfig, tokenizer: Tokenizer,
              mesh: jax.sharding.Mesh, *, split: str = "validation",
              max_batches: int | None = None, eval_step: EvalStep | None = None,
-             progress: str | None = None) -> dict[str, float]:
+             progress: str | None = None,
+             check: Callable[[], None] | None = None) -> dict[str, float]:
     """{"loss" (nats/token), "perplexity", "bits_per_byte"} of `params` on `split` of
     `data_cfg` ("validation", or "milton"), over the whole split, or over its first
     `max_batches` batches: then "bits_per_byte_est" (the whole split's bytes per token) in
     place of "bits_per_byte". `eval_step`: a compiled `make_eval_step` to reuse; `progress`: a
-    description to show a progress bar with. Every process calls it (batches are split
-    across processes); each gets the same figures. Raises as `make_eval_batches`."""
+    description to show a progress bar with; `check`: called before each batch (a stop check:
+    what it raises ends the evaluation, e.g. `cem_jax.train.exits.check`). Every process calls
+    it (batches are split across processes); each gets the same figures. Raises as
+    `make_eval_batches`, and what `check` raises."""
     batches = make_eval_batches(data_cfg, tokenizer, split)
     stats = load_tokens(data_cfg, tokenizer, split).stats  # opened once per process
     count = len(batches) if max_batches is None else min(max_batches, len(batches))
@@ -95,6 +98,8 @@ def evaluate(params: dict, model_cfg: ModelConfig, data_cfg: DataConfig, tokeniz
 
         pending = None
         for i in range(count):
+            if check is not None:
+                check()
             sums = eval_step(params, global_batch(batches[i], mesh))
             if pending is not None:
                 add(pending)

@@ -30,7 +30,7 @@ from cem_jax.model import CEMTransformer, model_from_params
 from cem_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
-    drop_failed_restore_echoes,
+    drop_failure_echoes,
     restore_error,
 )
 from cem_jax.train.config import TrainConfig, load_config, save_config
@@ -131,7 +131,7 @@ def _restore_params(directory: Path, step: int, cfg: TrainConfig) -> tuple[dict,
     target = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract)}
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
-    drop_failed_restore_echoes()
+    drop_failure_echoes()
     with _read_only_manager(directory) as manager:
         try:
             restored = manager.restore(step, args=ocp.args.Composite(

@@ -7,7 +7,10 @@
 # Creates the slice unless it exists, installs the package on every worker, starts the same
 # `cem-train ... mesh.distributed=true` on every worker (JAX finds the coordinator, the process
 # count and the process index in the TPU environment), streams worker 0's log and waits for all
-# workers. When the slice goes away (spot/preemptible VM preempted, maintenance, lost ssh) it
+# workers. It acts on cem-train's exit statuses (launch/README.md): all 0, done; 2 or 3 (cannot
+# run as configured, diverged) on a healthy slice, stop; 75 (stopped by a signal, checkpoint
+# saved), run again; anything else (a crash, a kill, a lost slice), run again, a bounded number
+# of times. When the slice goes away (spot/preemptible VM preempted, maintenance, lost ssh) it
 # deletes/recreates it or waits for it to be READY, reinstalls if it is new, and runs the same
 # command again: cem-train resumes from the newest checkpoint in run.dir, so run.dir must be
 # storage that outlives the slice and that every worker sees (a gcsfuse-mounted bucket, see
@@ -44,8 +47,8 @@ Training:
   --mount DIR            TPU_MOUNT        where to mount it (/mnt/BUCKET)
   section.key=value ...                   config overrides, passed to cem-train as they are
 
-Retries:
-  --max-restarts N       MAX_RESTARTS     runs after a failure before giving up (20)
+Retries (a trainer stopped by a signal, status 75, is run again without counting):
+  --max-restarts N       MAX_RESTARTS     runs after a crash or lost slice before giving up (20)
   --max-waits N          MAX_WAITS        polls for a READY slice per attempt (120)
   --poll-interval S      POLL_INTERVAL    seconds between polls of the slice state (30)
   --retry-delay S        RETRY_DELAY      seconds before running again after a failure (60)
@@ -53,8 +56,8 @@ Retries:
   --dry-run              DRY_RUN=1        print the gcloud commands instead of running them
   -h, --help                              this help
 
-Exit status: 0 when training finished, cem-train's status (1 failed or diverged, 2 bad
-config) when it failed on a healthy slice, 1 when the retries ran out.
+Exit status: 0 when training finished; cem-train's 2 (cannot run as configured) or 3
+(diverged) when a trainer reported it on a healthy slice; 1 when the retries ran out.
 EOF
 }
 
@@ -333,13 +336,23 @@ attempt() {  # one run: install if the slice is new, start, stream, wait; return
   out=$(on_workers all "$STATUS_COMMAND") || rc=$?
   [[ -z $out ]] || printf '%s\n' "$out" >&2
   [[ $rc != 0 ]] || return 0
-  # The trainers' own statuses decide: 1 or 2 (failed, bad config) first, then any other
-  # (e.g. 137, killed); none reported (ssh or gcloud failed) is 255.
-  local codes code
-  codes=$(grep -oE 'cem-launch-exit=[0-9]+' <<<"$out" | cut -d= -f2 | sort -un || true)
-  for code in 1 2 $codes; do
-    if [[ $code != 0 ]] && grep -qx "$code" <<<"$codes"; then return "$code"; fi
+  combined_status "$(grep -oE 'cem-launch-exit=[0-9]+' <<<"$out" | cut -d= -f2 || true)"
+}
+
+# combined_status CODES: the status of a run from its trainers' exit statuses (one a line):
+# 3 or 2 (diverged, cannot run as configured: every worker would do it again) first, then a
+# crash or a kill (1, 137, ...: the run failed), then 75 (stopped by a signal; workers that
+# finished meanwhile, 0, finish again at once when it runs again); none reported (ssh or
+# gcloud failed) is 255.
+combined_status() {
+  local code
+  for code in 3 2; do
+    if grep -qx "$code" <<<"$1"; then return "$code"; fi
   done
+  for code in $1; do
+    [[ $code == 0 || $code == 75 ]] || return "$code"
+  done
+  if grep -qx 75 <<<"$1"; then return 75; fi
   return 255
 }
 
@@ -357,9 +370,17 @@ while true; do
     exit 0
   fi
   state=$(slice_state)
-  if [[ $state == READY && ($rc == 1 || $rc == 2) ]]; then
-    say "cem-train failed with status $rc on a healthy slice; not retrying"
+  if [[ $state == READY && ($rc == 2 || $rc == 3) ]]; then
+    say "cem-train $([[ $rc == 2 ]] && echo "cannot run as configured" || echo "diverged")" \
+        "(status $rc) on a healthy slice; not retrying (its last line says why)"
     exit "$rc"
+  fi
+  if [[ $rc == 75 ]]; then
+    say "cem-train was stopped by a signal and saved (status 75), slice $state: running it" \
+        "again in ${RETRY_DELAY}s (not counted as a restart; to stop for good, stop this" \
+        "script first)"
+    sleep "$RETRY_DELAY"
+    continue
   fi
   restarts=$((restarts + 1))
   if ((restarts > MAX_RESTARTS)); then

@@ -42,7 +42,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grain
@@ -51,6 +51,7 @@ import numpy as np
 
 from cem_jax.data import files, shakespeare, shards
 from cem_jax.data.config import DataConfig
+from cem_jax.data.formats import Document
 from cem_jax.data.shards import DatasetError, Manifest, TokenStream
 from cem_jax.data.sources import Source, builtin_source, user_source
 from cem_jax.data.tokenize import dataset_identity, tokenize_dataset
@@ -119,7 +120,8 @@ def is_dataset(spec: str) -> bool:
         files.join(spec, shards.MANIFEST))
 
 
-def build_tokenizer(cfg: DataConfig, model_vocab_size: int | None = None) -> Tokenizer:
+def build_tokenizer(cfg: DataConfig, model_vocab_size: int | None = None,
+                    check: Callable[[], None] | None = None) -> Tokenizer:
     """The tokenizer of `cfg`: `cfg.tokenizer` loaded (a sentencepiece model or a Hugging Face
     tokenizer.json, `load_tokenizer`); the tokenizer of the dataset `cfg.corpus` names; or a
     sentencepiece BPE model of `cfg.vocab_size` pieces trained on the training split (cached
@@ -127,10 +129,11 @@ def build_tokenizer(cfg: DataConfig, model_vocab_size: int | None = None) -> Tok
     `tok.save(run_dir / tok.file_name)`.
 
     model_vocab_size: the vocabulary of the model it is for, which must hold every id of a
-      loaded tokenizer (`check_fits`; None: unchecked).
+      loaded tokenizer (`check_fits`; None: unchecked). check: called before each document is
+      read for the training (a stop check: what it raises ends the build, nothing is cached).
     Raises FileNotFoundError / ValueError as `load_tokenizer`, `train_tokenizer` and
-    `source_of` do, and ValueError when a tokenizer is to be trained and `cfg.vocab_size` is
-    None.
+    `source_of` do, ValueError when a tokenizer is to be trained and `cfg.vocab_size` is
+    None, and what `check` raises.
     """
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer, model_vocab_size)
@@ -153,7 +156,8 @@ def build_tokenizer(cfg: DataConfig, model_vocab_size: int | None = None) -> Tok
             raise ValueError(f"{tokenizer.vocab_size} pieces, not {cfg.vocab_size}")
         except ValueError as err:
             warnings.warn(f"cached tokenizer unusable ({err}); training it again", stacklevel=2)
-    return train_tokenizer((doc.text for doc in source.documents()), cfg.vocab_size, path)
+    return train_tokenizer((doc.text for doc in _checked(source.documents(), check)),
+                           cfg.vocab_size, path)
 
 
 def source_of(cfg: DataConfig, split: str) -> Source:
@@ -191,16 +195,20 @@ def _builtin(cfg: DataConfig, kind: str, works: tuple[str, ...]) -> Source:
     return builtin_source(kind, str(archive), works)
 
 
-def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> TokenizedSplit:
+def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, split: str,
+                check: Callable[[], None] | None = None) -> TokenizedSplit:
     """The packed token stream of `split` ("train", "validation", "milton") of `cfg`, from its
     tokenized dataset (tokenized first if it does not exist; see the module docstring).
     "validation" holds the first whole documents up to `cfg.val_tokens` tokens when set.
     Every process of a multi-process run calls it, for the same splits in the same order.
+    `check`: a stop check called while it tokenizes (`tokenize_dataset`): what it raises ends
+    the tokenization, the finished units kept.
 
     Raises as `source_of` and `Source.documents` do (missing files, unreadable text, an empty
     corpus), and DatasetError (a dataset of another tokenizer, one whose held-out fraction is
-    not `cfg.val_fraction`, a damaged one, processes that see different datasets)."""
-    root, part = _dataset(cfg, tokenizer, split)
+    not `cfg.val_fraction`, a damaged one, processes that see different datasets), and what
+    `check` raises."""
+    root, part = _dataset(cfg, tokenizer, split, check)
     limit = cfg.val_tokens if split == "validation" else None
     key = (root, part, limit)
     if key not in _OPENED:
@@ -234,7 +242,8 @@ def _open(manifest: Manifest, part: str, tokenizer: Tokenizer, limit: int | None
     return TokenizedSplit(name, description, stream, stats, manifest.root)
 
 
-def _dataset(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> tuple[str, str]:
+def _dataset(cfg: DataConfig, tokenizer: Tokenizer, split: str,
+             check: Callable[[], None] | None) -> tuple[str, str]:
     """(dataset folder, its split "documents" or "held_out") holding `split` of `cfg`,
     tokenized first when needed."""
     held_out = split == "validation" and cfg.val_corpus is None and cfg.corpus != "shakespeare"
@@ -252,7 +261,7 @@ def _dataset(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> tuple[str, st
     source = source_of(cfg, "train" if held_out else split)
     fraction = cfg.val_fraction if split == "train" or held_out else 0.0
     root = cache_dataset_root(cfg, source, tokenizer, fraction)
-    _tokenize_once(source, tokenizer, root, fraction)
+    _tokenize_once(source, tokenizer, root, fraction, check)
     return root, "held_out" if held_out else "documents"
 
 
@@ -263,24 +272,35 @@ def cache_dataset_root(cfg: DataConfig, source: Source, tokenizer: Tokenizer,
                       dataset_identity(source, tokenizer, held_out_fraction)[:24])
 
 
-def _tokenize_once(source: Source, tokenizer: Tokenizer, root: str, fraction: float) -> None:
+def _tokenize_once(source: Source, tokenizer: Tokenizer, root: str, fraction: float,
+                   check: Callable[[], None] | None) -> None:
     """Make sure the dataset `root` exists: tokenized here (one process), or by every process
     of a multi-process run, each its share of the units, process 0 writing the manifest."""
     if files.is_file(files.join(root, shards.MANIFEST)):
         return
     if jax.process_count() == 1:
-        tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction)
+        tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction, check=check)
         return
     from cem_jax.data import distributed
 
     name = f"cem_jax/tokenize/{root}"
     distributed.check_shared(root, name)
     index, count = jax.process_index(), jax.process_count()
-    tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction, part=(index, count))
+    tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction, part=(index, count),
+                     check=check)
     distributed.barrier(f"{name}/units", BARRIER_TIMEOUT_S)
     if index == 0:  # every unit is finished: this joins them (or does what a process left)
         tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction)
     distributed.barrier(f"{name}/manifest", BARRIER_TIMEOUT_S)
+
+
+def _checked(documents: Iterator[Document], check: Callable[[], None] | None
+             ) -> Iterator[Document]:
+    """`documents`, calling `check` (if given) before each."""
+    for doc in documents:
+        if check is not None:
+            check()
+        yield doc
 
 
 def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, first_step: int = 0,

@@ -18,13 +18,16 @@ process, run and machine. Empty documents are skipped.
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import json
 import multiprocessing
 import os
+import queue
+import signal
 from collections.abc import Callable
+from typing import Any
 
 from cem_jax.data import files, shards
 from cem_jax.data.shards import DatasetError, Manifest, Shard, ShardWriter
@@ -45,15 +48,19 @@ def dataset_identity(source: Source, tokenizer: Tokenizer, held_out_fraction: fl
 def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
                      held_out_fraction: float = 0.0, workers: int | None = None,
                      threads: int | None = None, part: tuple[int, int] = (0, 1),
-                     progress: Callable[[int], None] | None = None) -> Manifest | None:
+                     progress: Callable[[int], None] | None = None,
+                     check: Callable[[], None] | None = None) -> Manifest | None:
     """Tokenize the units of `source` that are this `part`'s and not finished yet into the
     dataset folder `root`; returns its manifest once every unit is finished (None while other
     parts are not). A finished dataset is returned as it is.
 
     workers: processes (default: one per core, at most one per unit); threads: tokenizer
     threads of a single worker (default: every core). progress: called with the bytes of each
-    unit finished. Raises DatasetError when `root` holds another dataset, ValueError naming
-    the file when a document cannot be read, and when the whole source holds no text.
+    unit finished. check: a stop check, called before each document (one worker) or every
+    fraction of a second (several: they are then interrupted); what it raises ends the
+    tokenization, the finished units kept and nothing of the others. Raises DatasetError when
+    `root` holds another dataset, ValueError naming the file when a document cannot be read,
+    and when the whole source holds no text.
     """
     identity = dataset_identity(source, tokenizer, held_out_fraction)
     try:
@@ -75,11 +82,11 @@ def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
     workers = min(workers or os.cpu_count() or 1, max(len(todo), 1))
     if workers == 1:
         for unit in todo:
-            job(unit, threads)
+            job(unit, threads, check)
             if progress:
                 progress(unit.size)
     else:
-        _in_processes(job, todo, workers, progress)
+        _in_processes(job, todo, workers, progress, check)
     records = [shards.read_unit_record(root, u.index, identity) for u in units]
     if any(r is None for r in records):
         return None
@@ -87,26 +94,70 @@ def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
 
 
 def _in_processes(job: Callable, units: list[Unit], workers: int,
-                  progress: Callable[[int], None] | None) -> None:
-    """`job(unit, 1)` for each unit in `workers` fresh processes (spawned: the caller may hold
-    threads, JAX's among them, that a fork would copy half-alive)."""
+                  progress: Callable[[int], None] | None,
+                  check: Callable[[], None] | None) -> None:
+    """`job(unit, 1, None)` for `units`, dealt round-robin to `workers` fresh processes
+    (spawned: the caller may hold threads, JAX's among them, that a fork would copy
+    half-alive). A worker's error is raised here; so is what `check` raises, after the workers
+    are interrupted (SIGINT: the unit each was tokenizing leaves nothing)."""
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        futures = {pool.submit(job, unit, 1): unit for unit in units}
+    results = context.Queue()
+    procs = [context.Process(target=_worker, args=(job, units[i::workers], results),
+                             daemon=True) for i in range(workers)]
+    for proc in procs:
+        proc.start()
+    try:
+        for _ in units:
+            kind, value = _next_result(results, procs, check)
+            if kind == "error":
+                raise value
+            if progress:
+                progress(value)
+    except BaseException:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGINT)
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+        raise
+    for proc in procs:
+        proc.join()
+
+
+def _next_result(results, procs: list, check: Callable[[], None] | None) -> tuple[str, Any]:
+    """The next ("done", unit size) or ("error", exception) of the workers, calling `check`
+    while waiting. Raises RuntimeError when a worker died without saying why."""
+    while True:
         try:
-            for future in concurrent.futures.as_completed(futures):
-                future.result()
-                if progress:
-                    progress(futures[future].size)
-        except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+            return results.get(timeout=0.2)
+        except queue.Empty:
+            if check is not None:
+                check()
+            if dead := [p.exitcode for p in procs if p.exitcode not in (None, 0)]:
+                raise RuntimeError(f"a tokenization worker died (exit code {dead[0]}): the "
+                                   f"finished units are kept; run the same command again"
+                                   ) from None
+
+
+def _worker(job: Callable, units: list[Unit], results) -> None:
+    """A worker process: its units one after another, each reported on `results`."""
+    try:
+        for unit in units:
+            job(unit, 1, None)
+            results.put(("done", unit.size))
+    except KeyboardInterrupt:  # the parent's stop: nothing of this unit is left
+        pass
+    except Exception as err:  # raised in the parent
+        results.put(("error", err))
 
 
 def _tokenize_unit(root: str, source: Source, tokenizer_files: tuple[tuple[str, bytes], ...],
                    identity: str, held_out_fraction: float, unit: Unit,
-                   threads: int | None) -> None:
-    """Tokenize one unit: its shards, then its record (the unit is finished once it exists)."""
+                   threads: int | None, check: Callable[[], None] | None) -> None:
+    """Tokenize one unit: its shards, then its record (the unit is finished once it exists);
+    `check` is called before each document."""
     tokenizer = _tokenizer(tokenizer_files)
     dtype = shards.token_dtype(tokenizer.vocab_size)
     pending: list[tuple[int, str]] = []
@@ -122,6 +173,8 @@ def _tokenize_unit(root: str, source: Source, tokenizer_files: tuple[tuple[str, 
     with ShardWriter(root, unit.index, dtype, tokenizer.eos_id) as writer:
         size = 0
         for i, doc in enumerate(source.documents(unit)):
+            if check is not None:
+                check()
             if doc.text:
                 pending.append((i, doc.text))
                 size += len(doc.text)

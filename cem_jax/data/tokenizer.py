@@ -387,18 +387,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
     Deterministic: the same texts give the same model bytes. Texts are cut into paragraphs (at
     blank lines, at most MAX_CHUNK_CHARS characters); beyond MAX_TRAINING_CHUNKS paragraphs a
     random sample is used. Saves to `out_path` when given.
-    Raises ValueError when `vocab_size` pieces cannot be had from the text: fewer than 260 plus
-    the number of distinct characters kept (CHARACTER_COVERAGE), or more than its merges allow;
-    the message names the sizes that work.
+    Raises what reading `texts` raises, and ValueError when `vocab_size` pieces cannot be had
+    from the text: fewer than 260 plus the number of distinct characters kept
+    (CHARACTER_COVERAGE), or more than its merges allow; the message names the sizes that work.
     """
     model = io.BytesIO()
     spm.set_random_generator_seed(0)
-    reading_error: list[Exception] = []  # the text's own error, not sentencepiece's wrapping
+    # the text's own error (or a stop, a KeyboardInterrupt), not sentencepiece's wrapping of it
+    reading_error: list[BaseException] = []
 
     def sentences() -> Iterator[str]:
         try:
             yield from _paragraphs(texts)
-        except Exception as err:
+        except BaseException as err:
             reading_error.append(err)
             raise
 

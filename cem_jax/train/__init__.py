@@ -1,8 +1,30 @@
 """Training: config sections, optimizer, compiled steps, checkpoints,
-metrics, and the `cem-train` loop (see `cem_jax.train.loop`)."""
+metrics, and the `cem-train` loop (see `cem_jax.train.loop`).
 
-from cem_jax.train.config import TrainConfig, load_config
-from cem_jax.train.loop import TrainingDiverged
-from cem_jax.train.run import main, train
+The names below are imported when first used (they import JAX), so that `cem-train` (`main`)
+catches SIGINT and SIGTERM before JAX loads (`cem_jax.train.exits`)."""
+
+import importlib
+
+_EXPORTS = {"TrainConfig": "cem_jax.train.config", "load_config": "cem_jax.train.config",
+            "TrainingDiverged": "cem_jax.train.loop", "train": "cem_jax.train.run"}
 
 __all__ = ["TrainConfig", "TrainingDiverged", "load_config", "main", "train"]
+
+
+def main(argv=None) -> int:
+    """`cem-train` (`cem_jax.train.run.main`); returns its exit status
+    (`cem_jax.train.exits.ExitStatus`). SIGINT and SIGTERM are caught from the start: one that
+    comes while JAX is imported stops it right after the imports."""
+    from cem_jax.train import exits
+
+    with exits.caught("cem-train"):
+        from cem_jax.train.run import main as train_main
+
+        return train_main(argv)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'cem_jax.train' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

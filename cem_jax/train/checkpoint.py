@@ -10,15 +10,24 @@ process) is not read.
 
 Saving is asynchronous (training continues while arrays are written); orbax writes each step
 into a temporary directory and renames it when complete, so a run killed mid-save leaves the
-previous checkpoint as the latest. The newest `keep` are kept. A restore first compares the
+previous checkpoint as the latest, and a save that fails for want of space raises
+`CheckpointWriteError` and leaves the complete ones as they are (its partial files are removed
+when the Checkpointer closes). The newest `keep` are kept. A restore first compares the
 saved arrays (names, shapes, dtypes) with the state the run builds, so a checkpoint of another
 structure (another cem_jax version's optimizer, say) is refused by name, not read as corrupt.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import inspect
 import logging
+import os
+import re
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,29 +50,76 @@ def restore_error(path: Path, err: Exception, verb: str = "restore") -> Checkpoi
                            f"is then used), or start a new run directory")
 
 
-class _FailedRestoreEchoes(logging.Filter):
+# errno of a write that failed for want of space (TensorStore says "[os_error_code='28']").
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written for want of space: errno ENOSPC, EDQUOT or EFBIG
+    (filename: the checkpoints directory)."""
+
+
+def disk_full_errno(err: BaseException | None) -> int | None:
+    """ENOSPC, EDQUOT or EFBIG when `err`, or an error it came from, is a write that failed for
+    want of space (an OSError, or TensorStore's words for one); else None."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in DISK_FULL:
+            return err.errno
+        if (found := re.search(r"\[os_error_code='(\d+)'\]", str(err))) and \
+                int(found.group(1)) in DISK_FULL:
+            return int(found.group(1))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+class _FailureEchoes(logging.Filter):
+    """asyncio's task and gather results nobody retrieved, and orbax's own logs (with
+    tracebacks) of a write that failed for want of space."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Task exception was never retrieved")
+        if record.name == "asyncio":
+            first = (record.getMessage().splitlines() or [""])[0]
+            return not first.endswith("exception was never retrieved")
+        return not (record.levelno >= logging.ERROR and record.exc_info
+                    and f"{os.sep}orbax{os.sep}" in record.pathname
+                    and disk_full_errno(record.exc_info[1]) is not None)
 
 
-def drop_failed_restore_echoes() -> None:
-    """Call before an orbax restore. A failed one leaves TensorStore callbacks into orbax's
-    closed event loop and task errors nobody retrieves, which Python prints as dozens of
-    tracebacks repeating the cause around our one-line CheckpointError: from then on this
-    process drops exactly those two kinds (every other unraisable error and asyncio record
-    still shows)."""
+def _orbax_coroutine(obj: Any) -> bool:
+    return inspect.iscoroutine(obj) and f"{os.sep}orbax{os.sep}" in obj.cr_code.co_filename
+
+
+def drop_failure_echoes() -> None:
+    """Call before orbax reads or writes a checkpoint. A failed restore or save leaves
+    TensorStore callbacks into orbax's closed event loop, orbax coroutines closed with their
+    read error pending, task and gather errors nobody retrieves and, for a write that failed for
+    want of space, orbax's log of it in every thread: Python prints them as dozens to hundreds
+    of tracebacks around our one message (the error itself reaches the caller). From then on
+    this process drops exactly those kinds (every other unraisable error and log record still
+    shows)."""
     previous = sys.unraisablehook
-    if getattr(previous, "drops_closed_loop", False):
+    if getattr(previous, "drops_failure_echoes", False):
         return
 
     def hook(unraisable) -> None:
-        if not (isinstance(unraisable.exc_value, RuntimeError)
-                and str(unraisable.exc_value) == "Event loop is closed"):
+        closed_loop = (isinstance(unraisable.exc_value, RuntimeError)
+                       and str(unraisable.exc_value) == "Event loop is closed")
+        if not (closed_loop or _orbax_coroutine(unraisable.object)):
             previous(unraisable)
 
-    hook.drops_closed_loop = True
+    hook.drops_failure_echoes = True
     sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(_FailedRestoreEchoes())
+    for name in ("asyncio", "absl"):
+        logging.getLogger(name).addFilter(_FailureEchoes())
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """The steps of the complete checkpoints in `directory` (RUN_DIR/checkpoints), ascending:
+    orbax writes a step under a temporary name and renames it to the bare step number when it
+    is complete. Without orbax, for what a failed run left behind."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
 
 
 def checkpoint_directory(run_dir: str | Path) -> Path:
@@ -84,10 +140,12 @@ class Checkpointer:
     (a path without brackets, `checkpoint_directory`)."""
 
     def __init__(self, run_dir: Path, keep: int):
+        drop_failure_echoes()
         self.directory = checkpoint_directory(run_dir)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.write_failed = False
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
@@ -96,17 +154,18 @@ class Checkpointer:
     def save(self, step: int, state: dict, config: dict[str, Any], tokenizer: Tokenizer
              ) -> None:
         """Start saving step `step` (returns before the arrays are written; see `wait`).
-        The caller must only pass a state whose loss, gradients and parameters are finite."""
+        The caller must only pass a state whose loss, gradients and parameters are finite.
+        Raises CheckpointWriteError when this or the previous save failed for want of space."""
         meta = {"config": config, "tokenizer_sha256": tokenizer.sha256}
-        self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        with self._writing():
+            self.manager.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
     def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict[str, Any]]:
         """Restore step `step` onto the shardings of `abstract_state` (ShapeDtypeStructs with
         `sharding`, from `Trainer.abstract_state`), whatever mesh and process count wrote it.
         Returns (state, meta). Raises CheckpointError naming the directory when it fails, and
         naming the differing arrays when the checkpoint's state has another structure."""
-        drop_failed_restore_echoes()
         self._check_structure(step, abstract_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
@@ -135,12 +194,35 @@ class Checkpointer:
                 f"ones that wrote it, or give another run.dir")
 
     def wait(self) -> None:
-        """Block until pending asynchronous saves are on disk."""
-        self.manager.wait_until_finished()
+        """Block until pending asynchronous saves are on disk; raises CheckpointWriteError
+        when one failed for want of space."""
+        with self._writing():
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        """Finish pending saves and release the manager's threads."""
-        self.manager.close()
+        """Finish pending saves and release the manager's threads (raises as `wait`). After a
+        save that failed for want of space, its partial files are removed (process 0): the
+        complete checkpoints are all kept."""
+        try:
+            with self._writing():
+                self.manager.close()
+        finally:
+            if self.write_failed and jax.process_index() == 0:
+                for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
+                    shutil.rmtree(partial, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Orbax's error for a write that failed for want of space (one line of TensorStore's
+        spec dump) as a CheckpointWriteError; any other error as it is."""
+        try:
+            yield
+        except Exception as err:
+            code = disk_full_errno(err)
+            if code is None:
+                raise
+            self.write_failed = True
+            raise CheckpointWriteError(code, os.strerror(code), str(self.directory)) from err
 
 
 def _arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -23,6 +22,8 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from cem_jax.evaluate import describe
+from cem_jax.train import exits
+from cem_jax.train.exits import StoppedBySignal
 from cem_jax.train.loop import StepInfo
 from cem_jax.train.metrics import MetricsWriter
 
@@ -91,7 +92,9 @@ class LogMetrics:
 
 class Validate:
     """Validation of the step's parameters (a state hook, which first finishes its step),
-    logged as an "eval" record; none at the last step (the run evaluates after its loop)."""
+    logged as an "eval" record; none at the last step (the run evaluates after its loop). A
+    signal that stops the validation between batches (StoppedBySignal) stops the run after
+    this step: the step is saved, and validated when the run is started again."""
 
     def __init__(self, validate: Callable[[dict], dict[str, float]], writer: MetricsWriter):
         self.validate, self.writer = validate, writer
@@ -100,7 +103,11 @@ class Validate:
         if info.last:
             return
         info.finish()
-        result = self.validate(info.state["params"])
+        try:
+            result = self.validate(info.state["params"])
+        except StoppedBySignal:
+            info.request_stop()
+            return
         self.writer.write(info.step, "eval", result)
         logger.info("step %d: validation %s", info.step, describe(result))
 
@@ -134,45 +141,39 @@ class DebugSignal:
 
 class StopOnSignal:
     """Stop the run after a step, every process at the same one, on SIGINT or SIGTERM (a state
-    hook, every step; a second SIGINT leaves at once, without a final checkpoint).
+    hook, every step; `cem_jax.train.exits` catches the signals, and a second SIGINT leaves at
+    once, without a final checkpoint). A stop due at the first step after `first_step` (the
+    signal came while that step was dispatched: mostly its compilation) drops the step: raises
+    StoppedBySignal, and nothing is saved.
 
-    One process: both signals set a flag, read at every step. Several (`jax.distributed`):
+    One process: the flag of `exits.received`, read at every step. Several (`jax.distributed`):
     SIGTERM, the preemption notice of TPU pods and SLURM, is JAX's preemption service's
     (`multihost_utils.reached_preemption_sync_point`: no collective per step; every host stops
     at the sync step it agrees on), when that service is enabled; SIGINT (and SIGTERM without
-    the service) sets a flag that the processes agree on every `agree_every` steps (one small
-    all-gather then, a device computation queued behind the step in flight: those steps are
-    finished first, `StepInfo.finish`, so the wait counts as training time).
+    the service) sets the flag, which the processes agree on every `agree_every` steps (one
+    small all-gather then, a device computation queued behind the step in flight: those steps
+    are finished first, `StepInfo.finish`, so the wait counts as training time).
     """
 
-    def __init__(self, agree_every: int):
-        self.agree_every = agree_every
-        self.raised = False
+    def __init__(self, agree_every: int, first_step: int):
+        self.agree_every, self.first_step = agree_every, first_step
         self.multihost = jax.process_count() > 1
         self.preemption_service = self.multihost and jax.config.jax_enable_preemption_service
-        caught = [signal.SIGINT] + ([] if self.preemption_service else [signal.SIGTERM])
-        self.previous = {s: signal.signal(s, self._handle) for s in caught}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.raised and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.raised = True
 
     def __call__(self, info: StepInfo) -> None:
-        if self._stop(info):
-            info.request_stop()
+        if not self._stop(info):
+            return
+        if info.step == self.first_step + 1:
+            raise StoppedBySignal(exits.received() or signal.SIGTERM)  # SIGTERM: the service's
+        info.request_stop()
 
     def _stop(self, info: StepInfo) -> bool:
+        raised = exits.received() is not None
         if not self.multihost:
-            return self.raised
+            return raised
         if self.preemption_service and multihost_utils.reached_preemption_sync_point(info.step):
             return True
         if info.step % self.agree_every:
             return False
         info.finish()  # the all-gather waits for this step: that wait is training time
-        return bool(np.any(multihost_utils.process_allgather(np.int32(self.raised))))
-
-    def restore(self) -> None:
-        """Put back the signal handlers found at construction."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        return bool(np.any(multihost_utils.process_allgather(np.int32(raised))))

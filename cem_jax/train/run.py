@@ -8,13 +8,18 @@
 A run directory holds config.yaml (resolved), its tokenizer (tokenizer.model, or tokenizer.json
 and tokenizer_config.json), metrics.jsonl, tensorboard/ and checkpoints/. Starting in one that
 has a checkpoint resumes from the latest (same model and data sections required); in a finished
-one, it reports the validation the run logged and trains, evaluates and logs nothing. SIGTERM or
-SIGINT saves a checkpoint and exits (status 0); a non-finite loss, gradient or updated parameter
-stops the run (status 1) without saving, so the newest checkpoint stays good. One cem-train at a
-time holds a run directory (a lock file, `.lock`); cem-export and cem-import never replace a
-directory while it is held, nor once a run trained there (a cem-import's run directory stops
-being an import output when it starts training). At the end: validation loss, perplexity and
-bits per byte, and a generated sample.
+one, it reports the validation the run logged and trains, evaluates and logs nothing. It ends
+with one of the exit statuses of `cem_jax.train.exits.ExitStatus` and one line saying why (a
+crash: its traceback, then the line): 0 finished, 1 crashed (retry), 2 cannot run as
+configured, 3 diverged, 75 stopped by SIGTERM or SIGINT before its last step (relaunch to
+resume). A signal stops it at a safe point: during start-up with nothing written (a run
+directory it created is removed again), after a step with that step saved, or between
+validation batches with the step's checkpoint kept (its validation is done when the run is
+started again). A non-finite loss, gradient or updated parameter stops the run without saving,
+so the newest checkpoint stays good. One cem-train at a time holds a run directory (a lock
+file, `.lock`); cem-export and cem-import never replace a directory while it is held, nor once
+a run trained there (a cem-import's run directory stops being an import output when it starts
+training). At the end: validation loss, perplexity and bits per byte, and a generated sample.
 
 The steps run in `cem_jax.train.loop.TrainLoop` with the hooks of `cem_jax.train.hooks`.
 Messages go through `logging` (the "cem_jax" loggers; `cem-train` prints them on stdout, from
@@ -26,11 +31,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import shutil
+import signal
 import socket
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,12 +67,24 @@ from cem_jax.export.output import unmark_output
 from cem_jax.memory import is_out_of_memory
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
-from cem_jax.train import hooks
-from cem_jax.train.checkpoint import Checkpointer, CheckpointError, checkpoint_directory
+from cem_jax.train import exits, hooks
+from cem_jax.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    checkpoint_directory,
+    complete_steps,
+)
 from cem_jax.train.config import TrainConfig, load_config, save_config
 from cem_jax.train.dry_run import check_expected_params, check_fits_in_memory, dry_run
+from cem_jax.train.exits import ExitStatus, StoppedBySignal
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
-from cem_jax.train.metrics import MetricsWriter, flops_per_token, logged_values, peak_flops
+from cem_jax.train.metrics import (
+    MetricsWriter,
+    flops_per_token,
+    logged_records,
+    logged_values,
+    peak_flops,
+)
 from cem_jax.train.step import Trainer
 from cem_jax.updates import attention_impl
 
@@ -74,9 +95,22 @@ class RunDirInUse(RuntimeError):
     """Another cem-train holds the run directory."""
 
 
+# OSErrors that say the run cannot go on as configured (a missing or unreadable file, a full
+# disk; one without errno is one of our own messages); any other (EIO, ENOTCONN: a lost mount)
+# is a crash, retried.
+_CANNOT_RUN_ERRNOS = {None, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
+                      errno.EROFS, errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# What to do when a write in run.dir failed for want of space.
+_DISK_FULL_ADVICE = {errno.ENOSPC: "free space there or give another run.dir",
+                     errno.EDQUOT: "free space in your quota or give another run.dir",
+                     errno.EFBIG: "raise the file size limit (ulimit -f) or give another "
+                                  "run.dir"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `cem-train`; returns the exit status (0 done or stopped by a signal after saving,
-    1 diverged or failed, 2 bad configuration)."""
+    """Run `cem-train`; returns its exit status (`ExitStatus`: 0 finished, 1 crashed, 2 cannot
+    run as configured, 3 diverged, 75 stopped by a signal), after one line on stderr saying why
+    it ended (a crash prints its traceback first)."""
     parser = argparse.ArgumentParser(prog="cem-train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML config file (default: all defaults)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -98,27 +132,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         check_config_location(args.config, args.overrides, cfg)
     except (ValueError, FileNotFoundError) as err:
-        print(f"cem-train: configuration error: {err}", file=sys.stderr)
-        return 2
-    try:
-        if args.dry_run:
-            dry_run(cfg, target=args.target)
-        else:
-            train(cfg)
-    except (TrainingDiverged, RunDirInUse, CheckpointError, FetchError, OSError,
-            ValueError) as err:
-        print(f"cem-train: error: {err}", file=sys.stderr)
-        return 1
-    except jax.errors.JaxRuntimeError as err:
-        if not is_out_of_memory(err):
-            raise
-        print(f"cem-train: error: the step needs more memory than the device has "
-              f"({str(err).splitlines()[0]}); lower data.batch_size or data.seq_len, raise "
-              f"optimizer.accumulation_steps or set model.remat=full (`cem-train --dry-run` "
-              f"estimates the activations). Checkpoints already written are kept.",
-              file=sys.stderr)
-        return 1
-    return 0
+        return exits.report(ExitStatus.CANNOT_RUN, f"configuration error: {err}")
+    with exits.caught("cem-train"):
+        try:
+            if args.dry_run:
+                dry_run(cfg, target=args.target)
+                exits.check()
+            else:
+                train(cfg)
+        except StoppedBySignal as stop:  # one that says nothing more came before any step
+            where = ("during the dry run" if args.dry_run
+                     else "before the first step; nothing was trained")
+            return exits.report(ExitStatus.STOPPED, str(stop if stop.where else stop.at(where)))
+        except Exception as err:  # every ending is one of the documented statuses
+            return _failed(err, Path(cfg.run.dir))
+    return ExitStatus.FINISHED
+
+
+def _failed(err: Exception, run_dir: Path) -> int:
+    """Print cem-train's last line for the error that ended it (a crash: its traceback first);
+    returns the exit status (`ExitStatus`)."""
+    if isinstance(err, TrainingDiverged):
+        return exits.report(ExitStatus.DIVERGED, f"diverged: {err}")
+    if isinstance(err, OSError) and err.errno in _DISK_FULL_ADVICE:
+        steps = complete_steps(run_dir / "checkpoints")
+        kept = (f"the newest checkpoint, step {steps[-1]}, is kept" if steps
+                else "no checkpoint was written yet")
+        return exits.report(ExitStatus.CANNOT_RUN, f"error: cannot write {err.filename}: "
+                            f"{err.strerror}; {_DISK_FULL_ADVICE[err.errno]} ({kept})")
+    if isinstance(err, jax.errors.JaxRuntimeError) and is_out_of_memory(err):
+        return exits.report(
+            ExitStatus.CANNOT_RUN, f"error: the step needs more memory than the device has "
+            f"({str(err).splitlines()[0]}); lower data.batch_size or data.seq_len, raise "
+            f"optimizer.accumulation_steps or set model.remat=full (`cem-train --dry-run` "
+            f"estimates the activations). Checkpoints already written are kept.")
+    if isinstance(err, (RunDirInUse, CheckpointError, FetchError, ValueError)) or (
+            isinstance(err, OSError) and err.errno in _CANNOT_RUN_ERRNOS):
+        return exits.report(ExitStatus.CANNOT_RUN, f"error: {err}")
+    traceback.print_exception(err)
+    cause = (str(err).splitlines() or [""])[0][:300]
+    return exits.report(ExitStatus.CRASHED, f"crashed: {type(err).__name__}: {cause}")
 
 
 def check_config_location(config: str | None, overrides: Sequence[str],
@@ -141,15 +194,21 @@ def check_config_location(config: str | None, overrides: Sequence[str],
                          f"to train the one there")
 
 
+@exits.caught()
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "stopped_early",
-    "eval": `cem_jax.evaluate.evaluate`'s figures (empty without a validation split),
-    "sample"}. Raises TrainingDiverged, CheckpointError, RunDirInUse (another cem-train holds
-    the directory), ValueError (config/run dir mismatch, run.dir a file), FileNotFoundError (a
-    resumed run dir without its tokenizer), OSError (an unwritable run dir, a full disk);
-    ValueError also when `cfg.expected_params` is not the model's parameter count, when the
-    batch cannot be split over the mesh, and (`cem_jax.memory.DoesNotFit`) when a train step
-    cannot fit in the device's memory: all checked before anything is written."""
+    """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "eval":
+    `cem_jax.evaluate.evaluate`'s figures (empty without a validation split), "sample"}.
+
+    SIGINT and SIGTERM stop it at a safe point (`cem_jax.train.exits`): raises StoppedBySignal,
+    saying where it stopped and what is saved. Raises TrainingDiverged, CheckpointError,
+    RunDirInUse (another cem-train holds the directory), ValueError (config/run dir mismatch,
+    run.dir a file), FileNotFoundError (a resumed run dir without its tokenizer), OSError (an
+    unwritable run dir, a full disk; `CheckpointWriteError` for a checkpoint); ValueError also
+    when `cfg.expected_params` is not the model's parameter count, when the batch cannot be
+    split over the mesh, and (`cem_jax.memory.DoesNotFit`) when a train step cannot fit in the
+    device's memory: all checked before anything is written. A run directory this call created
+    is removed again when it raises before the directory holds anything of value (a checkpoint
+    or a logged step)."""
     if cfg.expected_params is not None:
         check_expected_params(cfg)
     if cfg.mesh.distributed:
@@ -164,13 +223,37 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     checkpoint_directory(run_dir)  # a path orbax cannot restore from
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run.dir {run_dir} is a file, not a directory; give another run.dir")
+    exits.check()  # a signal while JAX was imported or initialized: stop before writing
+    created = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # removed if worthless
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise OSError(f"cannot create run.dir {run_dir} ({err.strerror}: {err.filename}); give "
                       f"a run.dir in a writable place") from None
-    with _run_dir_lock(run_dir, lead):
-        return _train(cfg, run_dir, mesh, lead)
+    try:
+        with _run_dir_lock(run_dir, lead):
+            return _train(cfg, run_dir, mesh, lead)
+    except BaseException as err:
+        if lead:
+            _remove_if_worthless(created)
+        if isinstance(err, StoppedBySignal) and not err.where:  # a stop during the start
+            raise _before_first_step(err, run_dir) from None
+        raise
+
+
+def _remove_if_worthless(created: list[Path]) -> None:
+    """Remove the run directory `created[0]` and the parents created with it (`created`,
+    deepest first) if it holds no checkpoint and no logged step: a start that failed or was
+    stopped leaves nothing behind. An empty list (the directory was there before) removes
+    nothing."""
+    if not created or complete_steps(created[0] / "checkpoints") or logged_records(created[0]):
+        return
+    shutil.rmtree(created[0], ignore_errors=True)
+    for parent in created[1:]:
+        try:
+            parent.rmdir()  # only if nothing else was put there meanwhile
+        except OSError:
+            return
 
 
 @contextlib.contextmanager
@@ -233,6 +316,7 @@ def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
                 raise CheckpointError(f"{run_dir / tokenizer.file_name} is not the tokenizer the "
                                       f"checkpoint was trained with")
             logger.info("resumed %s from step %d", run_dir, resume_step)
+        exits.check()
         if lead and finished is None:  # once the checkpoint is known good, and to be trained
             unmark_output(run_dir)  # a cem-import's run becomes a run no --overwrite replaces
             save_config(cfg, run_dir / "config.yaml")
@@ -241,13 +325,11 @@ def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
             logger.info("%s has taken its %d steps already; nothing to train", run_dir, first)
             if cfg.data.has_validation:
                 logger.info("validation after %d steps: %s", first, describe(finished))
-            summary = {"step": first, "stopped_early": False, "eval": finished, "sample": ""}
+            summary = {"step": first, "eval": finished, "sample": ""}
         else:
             summary = _train_steps(cfg, trainer, state, iterator, tokenizer, checkpointer,
                                    mesh, first, closing)
             state = summary.pop("state")
-            if summary["stopped_early"]:
-                return summary
     if cfg.run.sample_tokens:
         summary["sample"] = _sample(cfg, state["params"], tokenizer, mesh)
         logger.info("sample:\n%s%s", cfg.run.sample_prompt, summary["sample"])
@@ -258,9 +340,9 @@ def _load_splits(cfg: DataConfig, tokenizer: Tokenizer, report: bool) -> None:
     """Open (tokenizing once, if needed) the training and validation splits, so that a bad
     corpus fails now, not after training; check that every process sees the same ones; say
     when the run has no validation split (`report`: it has steps to train)."""
-    splits = [load_tokens(cfg, tokenizer, "train")]
+    splits = [load_tokens(cfg, tokenizer, "train", exits.check)]
     if cfg.has_validation:
-        splits.append(load_tokens(cfg, tokenizer, "validation"))
+        splits.append(load_tokens(cfg, tokenizer, "validation", exits.check))
     elif report:
         logger.warning("the run reports no validation: %s", no_validation(cfg))
     if jax.process_count() > 1:
@@ -273,11 +355,18 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
                  tokenizer: Tokenizer, checkpointer: Checkpointer, mesh: jax.sharding.Mesh,
                  first: int, closing: contextlib.ExitStack) -> dict[str, Any]:
     """Steps `first`+1 … `run.steps` and the final validation; returns the summary of `train`
-    with the final "state" (a signal stops it early, without the validation)."""
+    with the final "state". A resume step whose validation was due but never logged (the run
+    was stopped at it) is validated first. Raises StoppedBySignal saying where the loop or the
+    final validation stopped (a stop before the loop: as it came)."""
     writer = MetricsWriter(Path(cfg.run.dir), first)
     closing.callback(writer.close)
+    if _validation_missing(cfg, first):
+        result = _validate(cfg, trainer, state["params"], tokenizer, mesh)
+        writer.write(first, "eval", result)
+        logger.info("step %d: validation %s", first, describe(result))
     loop = make_loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer, mesh,
                      first, closing)
+    exits.check()  # the last safe point before the first step
     try:
         state, step, stopped = loop.run()
     except TrainingDiverged as err:
@@ -289,24 +378,66 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
             f"{err}. Nothing was saved after it: {saved}. Lower optimizer.lr or raise "
             f"optimizer.warmup_steps, then {'resume' if good is not None else 'start again'}."
         ) from None
-    checkpointer.wait()
-    summary = {"step": step, "stopped_early": stopped, "eval": {}, "sample": "", "state": state}
+    except StoppedBySignal as stop:  # due at the first step: the step is dropped
+        raise _stopped_at(stop, loop.step, first, checkpointer) from None
     if stopped:
-        logger.info("stopped by a signal at step %d; checkpoint saved in %s", step,
-                    checkpointer.directory)
-    elif cfg.data.has_validation:
-        summary["eval"] = _validate(cfg, trainer, state["params"], tokenizer, mesh)
+        raise _stopped_at(StoppedBySignal(exits.received() or signal.SIGTERM), step, first,
+                          checkpointer)
+    checkpointer.wait()
+    summary = {"step": step, "eval": {}, "sample": "", "state": state}
+    if cfg.data.has_validation:
+        try:
+            summary["eval"] = _validate(cfg, trainer, state["params"], tokenizer, mesh)
+        except StoppedBySignal as stop:
+            raise stop.at(f"during the final validation; the checkpoint of step {step} is kept "
+                          f"in {checkpointer.directory}: start it again to validate") from None
         writer.write(step, "eval", summary["eval"])
         logger.info("validation after %d steps: %s", step, describe(summary["eval"]))
     return summary
+
+
+def _validation_missing(cfg: TrainConfig, step: int) -> bool:
+    """Whether resume step `step` had a periodic validation due that metrics.jsonl lacks (a run
+    stopped at that step, or during its validation, saves the step but not the validation)."""
+    return (cfg.data.has_validation and 0 < step < cfg.run.steps
+            and step % cfg.run.eval_every == 0
+            and logged_values(Path(cfg.run.dir), step, "eval") is None)
+
+
+def _before_first_step(stop: StoppedBySignal, run_dir: Path) -> StoppedBySignal:
+    """`stop`, saying that it came before the first step of this start, which saved nothing:
+    the run stays at its newest checkpoint (none for a new run)."""
+    checkpoints = (run_dir / "checkpoints").absolute()
+    if not (steps := complete_steps(checkpoints)):
+        return stop.at("before the first step; nothing was trained")
+    return stop.at(f"before its first step; the run stays at step {steps[-1]} ({checkpoints}): "
+                   f"start it again to resume")
+
+
+def _stopped_at(stop: StoppedBySignal, step: int, first: int,
+                checkpointer: Checkpointer) -> StoppedBySignal:
+    """`stop`, saying at which step the loop stopped and which checkpoint is the newest (a
+    stop at the first step of this start drops that step: before the first step)."""
+    checkpointer.wait()
+    good = checkpointer.latest_step()
+    if (good or 0) <= first and step <= first + 1:
+        return _before_first_step(stop, checkpointer.directory.parent)
+    if good == step:
+        kept = f"checkpoint saved in {checkpointer.directory}"
+    elif good is None:
+        kept = "no checkpoint was written yet"
+    else:
+        kept = f"its newest checkpoint is step {good} in {checkpointer.directory}"
+    return stop.at(f"at step {step}; {kept}: start it again to resume")
 
 
 def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokenizer: Tokenizer,
               checkpointer: Checkpointer, writer: MetricsWriter, mesh: jax.sharding.Mesh,
               first: int, closing: contextlib.ExitStack) -> TrainLoop:
     """cem-train's step loop from step `first` to `run.steps`, with its hooks
-    (`cem_jax.train.hooks`); `closing` gets what must be closed after it (the bar, the signal
-    handlers). Also what `benchmarks/loop.py` times."""
+    (`cem_jax.train.hooks`); `closing` gets what must be closed after it (the bar, and the
+    signal handlers of `cem_jax.train.exits` unless the caller has them already). Also what
+    `benchmarks/loop.py` times."""
     run = cfg.run
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak, peak_source = peak_flops(run.peak_flops)
@@ -325,9 +456,9 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
     if run.debug_signal_step is not None:
         loop.add_hook(hooks.DebugSignal(run.debug_signal_step, run.debug_signal),
                       run.debug_signal_step, reads="state")
-    stop = hooks.StopOnSignal(agree_every=run.log_every)
-    closing.callback(stop.restore)
-    loop.add_hook(stop, reads="state")
+    closing.enter_context(exits.caught())  # cem-train's own, or this loop's while it runs
+    loop.add_hook(hooks.StopOnSignal(agree_every=run.log_every, first_step=first),
+                  reads="state")
     if cfg.data.has_validation:
         validate = hooks.Validate(
             lambda params: _validate(cfg, trainer, params, tokenizer, mesh), writer)
@@ -341,9 +472,12 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
 def _validate(cfg: TrainConfig, trainer: Trainer, params: dict, tokenizer: Tokenizer,
               mesh: jax.sharding.Mesh) -> dict[str, float]:
     """`cem_jax.evaluate.evaluate` on the validation split (its first `run.eval_batches`
-    batches, if set) with the trainer's compiled eval step."""
+    batches, if set) with the trainer's compiled eval step. A signal stops it between batches
+    (StoppedBySignal) when it runs in one process (on several, every process would have to
+    agree on the batch: it runs to its end, and the loop stops after the step)."""
+    check = exits.check if jax.process_count() == 1 else None
     return evaluate(params, cfg.model, cfg.data, tokenizer, mesh,
-                    max_batches=cfg.run.eval_batches, eval_step=trainer.eval_step)
+                    max_batches=cfg.run.eval_batches, eval_step=trainer.eval_step, check=check)
 
 
 def _sample(cfg: TrainConfig, params: dict, tokenizer: Tokenizer,
@@ -408,7 +542,7 @@ def _run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool) -> Tokenizer:
     vocabulary (ValueError otherwise, before anything is saved)."""
     if resumed:
         return load_tokenizer(find_tokenizer(run_dir), cfg.model.vocab_size)
-    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
+    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size, exits.check)
     if jax.process_index() == 0:
         tokenizer.save(run_dir / tokenizer.file_name)
     return tokenizer

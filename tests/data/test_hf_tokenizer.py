@@ -5,7 +5,6 @@ special-token text kept as text, lossless round trip, saved and reloaded as itse
 import json
 import shutil
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -155,12 +155,20 @@ if sys.argv[1] == "venv":
 """
 
 # The trainer: records worker, cwd, XLA_FLAGS and its arguments (one a line), then exits with
-# $FAKE_TPU/train_rc. Bash, so it is over before the log stream starts.
+# the status $FAKE_TPU/train_rc gives it: line N for its N-th run (the last line for later
+# runs), holding one status for every worker or one per worker. Bash, so it is over before the
+# log stream starts.
 FAKE_TRAINER = """#!/bin/bash
 record=$(mktemp "$FAKE_TPU/train.XXXXXX")
 { echo "$FAKE_WORKER"; pwd; echo "${XLA_FLAGS-}"; printf '%s\\n' "$@"; } > "$record"
 echo "step 1: loss 7.5 on worker $FAKE_WORKER"
-exit "$(cat "$FAKE_TPU/train_rc" 2>/dev/null || echo 0)"
+runs="$FAKE_TPU/runs.$FAKE_WORKER"
+n=$(( $(cat "$runs" 2>/dev/null || echo 0) + 1 ))
+echo "$n" > "$runs"
+line=$(sed -n "${n}p" "$FAKE_TPU/train_rc")
+[[ -n $line ]] || line=$(tail -n 1 "$FAKE_TPU/train_rc")
+read -ra codes <<< "$line"
+exit "${codes[$FAKE_WORKER]:-${codes[0]}}"
 """
 
 # gcsfuse, sudo and git on the workers: recorded; `git clone URL DIR` makes DIR a checkout.
@@ -175,7 +183,8 @@ fi
 @pytest.fixture
 def fake_tpu(tmp_path):
     """A fake slice: returns run(args, plan, train_rc=0, env=None) -> (CompletedProcess, info),
-    info with the gcloud calls, the trainer records, the uv calls and the tool log."""
+    info with the gcloud calls, the trainer records, the uv calls and the tool log. train_rc:
+    the trainers' exit status, or lines of them (see FAKE_TRAINER)."""
     root = tmp_path / "tpu"
     bin_dir = tmp_path / "bin"
     _write(bin_dir / "gcloud", FAKE_GCLOUD)
@@ -302,7 +311,7 @@ def test_tpu_recreates_a_preempted_slice_and_runs_again(fake_tpu):
 
 
 def test_tpu_a_gcloud_error_on_a_healthy_slice_is_retried(fake_tpu):
-    # gcloud exits 1 (as cem-train does when it fails), but no trainer reported a status
+    # gcloud exits 1 (as cem-train does when it crashes), but no trainer reported a status
     proc, got = fake_tpu([*SLICE, "--run-dir", "/shared/r"],
                          {"initial": "READY", "gcloud_error": {"status": [0]}})
     assert proc.returncode == 0, proc.stderr
@@ -329,6 +338,26 @@ def test_tpu_training_failure_on_a_healthy_slice_is_not_retried(fake_tpu):
                                     "ssh 0 stream", "ssh all status", "describe"]
     assert proc.stderr.count("cem-launch-exit=2") == 2
     assert "not retrying" in proc.stderr
+
+
+@pytest.mark.parametrize("codes, status, launches, message", [
+    # stopped by a signal (a graceful preemption whose ssh survived): run again, not counted
+    ("75\n75\n0", 0, 3, "stopped by a signal and saved (status 75), slice READY: running it"),
+    ("0 75\n0", 0, 2, "(status 75)"),  # one worker had finished: it finishes again at once
+    ("1\n0", 0, 2, "run ended with status 1, slice READY: restart 1 of 1"),  # a crash: retried
+    ("1", 1, 2, "giving up after 1 restarts (last status 1, slice READY)"),
+    ("3", 3, 1, "cem-train diverged (status 3) on a healthy slice; not retrying"),
+    ("75 3", 3, 1, "diverged (status 3)"),  # it would diverge again
+    ("1 2", 2, 1, "cem-train cannot run as configured (status 2) on a healthy slice"),
+], ids=["stopped", "finished-and-stopped", "crashed-once", "crashed-always", "diverged",
+        "stopped-and-diverged", "crashed-and-cannot-run"])
+def test_tpu_acts_on_the_trainers_exit_statuses(fake_tpu, codes, status, launches, message):
+    proc, got = fake_tpu([*SLICE, "--run-dir", "/shared/r", "--max-restarts", "1"],
+                         {"initial": "READY"}, train_rc=codes)
+    assert proc.returncode == status, proc.stderr
+    assert _steps(got["calls"]).count("ssh all launch") == launches
+    assert len(got["trains"]) == 2 * launches  # both workers ran each time
+    assert message in proc.stderr
 
 
 def test_tpu_bucket_mount_git_source_and_env_options(fake_tpu):
@@ -482,7 +511,8 @@ def test_slurm_sets_the_coordinator_from_slurm(fake_slurm):
     assert proc.returncode == 0, proc.stderr
     assert jsonl("scontrol.jsonl") == [["show", "hostnames", "gpu[07-08]"]]  # no requeue
     srun = jsonl("srun.jsonl")
-    assert len(srun) == 1 and srun[0][0] == "--kill-on-bad-exit=1"
+    # the other tasks get 120 s once one has ended, so that each task's 75 is seen as such
+    assert len(srun) == 1 and srun[0][:2] == ["--kill-on-bad-exit=0", "--wait=120"]
     # port 20000 + 4242 % 10000; one process per task, ids from SLURM_PROCID
     assert trains() == {i: _expected_slurm_argv(24242, i) for i in range(2)}
     assert "coordinator gpu07:24242, 2 processes" in proc.stdout
@@ -517,8 +547,10 @@ def test_slurm_local_devices(fake_slurm, per_node, visible, ids):
 @pytest.mark.parametrize("sig, requeue", [(signal.SIGUSR1, True), (signal.SIGTERM, False)],
                          ids=["time-limit", "preempted"])
 def test_slurm_signal_saves_and_requeues(fake_slurm, sig, requeue):
+    """The trainers save and exit 75; at the time limit the job requeues itself, preempted (or
+    cancelled) it leaves that to SLURM."""
     env, root, jsonl, trains = fake_slurm
-    env["FAKE_WAIT_FOR_TERM"] = "1"
+    env.update({"FAKE_WAIT_FOR_TERM": "1", "FAKE_RC": "75"})
     proc = subprocess.Popen(["bash", str(LAUNCH / "gpu_slurm.sbatch"), "model.steps=2"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 20
@@ -527,8 +559,28 @@ def test_slurm_signal_saves_and_requeues(fake_slurm, sig, requeue):
         time.sleep(0.02)
     proc.send_signal(sig)
     out = proc.communicate(timeout=20)[0]
-    assert proc.returncode == 0, out
+    assert proc.returncode == 75, out
     assert sorted(p.name for p in root.glob("saved.*")) == ["saved.0", "saved.1"]
+    requeues = [c for c in jsonl("scontrol.jsonl") if c[0] == "requeue"]
+    assert requeues == ([["requeue", "4242"]] if requeue else [])
+
+
+@pytest.mark.parametrize("status, restarts, requeue, message", [
+    ("0", "0", False, "training finished"),
+    ("2", "0", False, "cannot run as configured (status 2); not requeued"),
+    ("3", "0", False, "diverged (status 3); not requeued"),
+    ("75", "7", True, "stopped by a signal, checkpoint saved (status 75); requeueing job 4242"),
+    ("1", "0", True, "crashed or was killed (status 1): restart 1 of 3; requeueing job 4242"),
+    ("137", "2", True, "(status 137): restart 3 of 3"),
+    ("1", "3", False, "crashed or was killed (status 1); giving up after 3 restarts"),
+], ids=["finished", "cannot-run", "diverged", "stopped", "crashed", "killed", "crashed-again"])
+def test_slurm_acts_on_the_trainers_exit_status(fake_slurm, status, restarts, requeue, message):
+    env, root, jsonl, trains = fake_slurm
+    env.update({"FAKE_RC": status, "SLURM_RESTART_COUNT": restarts, "MAX_RESTARTS": "3"})
+    proc = subprocess.run(["bash", str(LAUNCH / "gpu_slurm.sbatch"), "model.steps=2"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == int(status), proc.stderr
+    assert message in proc.stdout
     requeues = [c for c in jsonl("scontrol.jsonl") if c[0] == "requeue"]
     assert requeues == ([["requeue", "4242"]] if requeue else [])
 

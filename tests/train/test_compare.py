@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import signal
 import statistics
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from flax import nnx
+from train_helpers import REPO
 
 from cem_jax.compare import budget_steps, main
 from cem_jax.compare_report import paired_interval
@@ -21,7 +26,7 @@ from cem_jax.evaluate import bits_per_byte_of, evaluate_run
 from cem_jax.model import CEMTransformer, count_params
 from cem_jax.rundir import load_run
 from cem_jax.train.config import load_config
-from cem_jax.train.metrics import flops_per_token
+from cem_jax.train.metrics import flops_per_token, logged_records
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -87,11 +92,11 @@ def test_the_flops_budget_passes_each_run_its_steps(tiny_overrides, tmp_path, mo
                                                    capsys):
     calls = []
 
-    def fake_train(argv, **kwargs):  # records what cem-train was asked to do; trains nothing
+    def fake_train(argv, log):  # records what cem-train was asked to do; trains nothing
         calls.append(argv)
-        return subprocess.CompletedProcess(argv, 1)
+        return 1
 
-    monkeypatch.setattr("cem_jax.compare.subprocess.run", fake_train)
+    monkeypatch.setattr("cem_jax.compare.train_process", fake_train)
     configs = {"llama": "model:\n  tie_attention: false\n  tie_mlp: false\n",
                "steps2": "model:\n  steps: 2\n", "dplr": "model:\n  interaction: dplr\n"}
     for name, text in configs.items():
@@ -102,8 +107,8 @@ def test_the_flops_budget_passes_each_run_its_steps(tiny_overrides, tmp_path, mo
     assert main(argv) == 1  # every run "failed"
     steps = {}
     for call in calls:
-        args = dict(a.split("=", 1) for a in call[5:])
-        steps.setdefault(Path(call[4]).stem, set()).add(int(args["run.steps"]))
+        args = dict(a.split("=", 1) for a in call[2:])
+        steps.setdefault(Path(call[1]).stem, set()).add(int(args["run.steps"]))
         assert args["run.seed"] == args["data.seed"]
     fpt = {n: flops_per_token(load_config(tmp_path / f"{n}.yaml", tiny_overrides).model, 16)
            for n in configs}
@@ -115,20 +120,20 @@ def test_the_flops_budget_passes_each_run_its_steps(tiny_overrides, tmp_path, mo
 
 def test_a_run_killed_mid_write_is_a_failed_row(tiny_overrides, tmp_path, monkeypatch):
     """A kill can tear the last line of metrics.jsonl: the row is failed, the report written."""
-    def killed_train(argv, **kwargs):
-        run_dir = Path(dict(a.split("=", 1) for a in argv[5:])["run.dir"])
+    def killed_train(argv, log):
+        run_dir = Path(dict(a.split("=", 1) for a in argv[2:])["run.dir"])
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 5.0}\n'
                                                '{"step": 2, "ki')
-        return subprocess.CompletedProcess(argv, -9)
+        return -9
 
-    monkeypatch.setattr("cem_jax.compare.subprocess.run", killed_train)
+    monkeypatch.setattr("cem_jax.compare.train_process", killed_train)
     (tmp_path / "llama.yaml").write_text("model:\n  tie_attention: false\n  tie_mlp: false\n")
     argv = ["--configs", str(tmp_path / "llama.yaml"), "--steps", "4", "--seeds", "0",
             "--out", str(tmp_path / "r.md"), "--runs-dir", str(tmp_path / "runs"),
             "--ood", "none", *tiny_overrides]
     assert main(argv) == 1
-    assert "llama seed 0 (4 steps): cem-train exited with status -9" in \
+    assert "llama seed 0 (4 steps): cem-train exited with status -9 (killed)" in \
         (tmp_path / "r.md").read_text()
 
 
@@ -216,6 +221,64 @@ def test_compare_two_tiny_configs_with_two_seeds(tiny_overrides, tmp_path, capsy
     assert "training" not in printed and " of " not in printed
     assert {p: p.read_bytes() for p in kept} == kept
     assert out.read_text() == text + "My reading.\n"
+
+
+def test_a_run_stopped_by_a_signal_ends_the_comparison_without_a_report(
+        tiny_overrides, tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def stopped_train(argv, log):  # as cem-train stopped by SIGTERM at a step
+        calls.append(argv)
+        return 75
+
+    monkeypatch.setattr("cem_jax.compare.train_process", stopped_train)
+    (tmp_path / "a.yaml").write_text("model:\n  preconditioner: none\n")
+    (tmp_path / "b.yaml").write_text("model:\n  preconditioner: diag\n")
+    argv = ["--configs", str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"), "--steps", "4",
+            "--out", str(tmp_path / "r.md"), "--runs-dir", str(tmp_path / "runs"), "--ood",
+            "none", *tiny_overrides]
+    assert main(argv) == 75
+    assert len(calls) == 1 and not (tmp_path / "r.md").exists()  # b is not started
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("cem-compare: a: cem-train exited with status 75 (stopped by a "
+                             "signal: run cem-compare again to resume it); see ")
+    assert err[1].startswith("cem-compare: stopped by a signal while training a seed 0 (its ")
+    assert err[1].endswith("run the same command again to go on from there (exit status 75)")
+
+
+@pytest.mark.slow  # ~40 s: cem-compare and cem-train started twice each
+def test_a_signal_stops_the_comparison_once_its_run_has_saved(tiny_overrides, tmp_path):
+    """Ctrl-C in cem-compare's terminal: the run in training gets the SIGINT once (it runs in
+    its own session), stops at a safe point and saves; cem-compare writes no report and says
+    how to go on, and the same command again resumes the run and writes it."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text("model:\n  preconditioner: none\n")
+    out, run_dir = tmp_path / "r.md", tmp_path / "runs" / "tiny" / "steps200_seed0"
+    argv = [sys.executable, "-m", "cem_jax.compare", "--configs", str(config), "--steps", "200",
+            "--eval-every", "100", "--out", str(out), "--runs-dir", str(tmp_path / "runs"),
+            "--ood", "none", "--descent-batches", "0", *tiny_overrides, "run.sample_tokens=0",
+            "run.peak_flops=1e12"]
+    compare = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 120
+    while not logged_records(run_dir):  # its first step is done
+        assert compare.poll() is None and time.monotonic() < deadline, compare.communicate()
+        time.sleep(0.05)
+    compare.send_signal(signal.SIGINT)
+    stderr = compare.communicate(timeout=120)[1]
+    assert compare.returncode == 75, stderr
+    assert stderr.splitlines()[-1] == (
+        f"cem-compare: stopped by a signal (SIGINT) while training tiny seed 0 (its "
+        f"{run_dir / 'train.log'} says what it saved); run the same command again to go on from "
+        f"there (exit status 75)")
+    stopped = re.fullmatch(r"cem-train: stopped by a signal \(SIGINT\) at step (\d+); checkpoint "
+                           r"saved in .*: start it again to resume \(exit status 75\)",
+                           (run_dir / "train.log").read_text().splitlines()[-1])
+    assert stopped and not out.exists(), stderr
+    again = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed {run_dir} from step {stopped.group(1)}" in (run_dir / "train.log").read_text()
+    assert "| tiny |" in out.read_text()
 
 
 def test_a_run_without_validation_counts_as_finished(tiny_overrides, tmp_path, capsys):

@@ -107,8 +107,8 @@ def test_train_refuses_a_wrong_count_before_writing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_dry_run_with_a_wrong_count_exits_1_naming_both(capsys):
-    assert main(["--config", str(FULL), "--dry-run", "expected_params=1000"]) == 1
+def test_dry_run_with_a_wrong_count_exits_2_naming_both(capsys):
+    assert main(["--config", str(FULL), "--dry-run", "expected_params=1000"]) == 2
     err = capsys.readouterr().err
     assert "expected_params = 1,000 but the model section builds 77,089,560" in err
 

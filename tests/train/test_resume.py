@@ -1,13 +1,18 @@
-"""Resuming: a run killed (SIGKILL) or preempted (SIGTERM) at step 10 and resumed to step 20 logs
-the same fp32 losses, step for step, as a run of 20 steps straight, and TensorBoard shows every
-logged value once; every optimizer setting may change on resume (a real resume with clipping
-and weight decay turned off: tests/train/test_train_loop.py); a checkpoint of another state
-structure is refused by name; a finished run started again reports what it logged and writes
-nothing."""
+"""Resuming: a run killed (SIGKILL) or preempted (SIGTERM, exit status 75) at step 10 and resumed
+to step 20 logs the same records as a run of 20 steps straight (the fp32 losses step for step,
+every validation), and TensorBoard shows every logged value once; so does a run stopped during a
+validation, periodic or final; every optimizer setting may change on resume (a real resume with
+clipping and weight decay turned off: tests/train/test_train_loop.py); a checkpoint of another
+state structure is refused by name; a full disk leaves the newest checkpoint as it was; a
+finished run started again reports what it logged and writes nothing."""
 
 import dataclasses
+import fcntl
 import json
+import shutil
 import struct
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,20 +20,23 @@ import numpy as np
 import optax
 import pytest
 from tensorboardX.proto.event_pb2 import Event, SessionLog
-from train_helpers import run_cli, train_losses
+from train_helpers import REPO, run_cli, signal_at, train_losses
 
 from cem_jax.config import ModelConfig
 from cem_jax.data import load_tokenizer
+from cem_jax.rundir import load_run
 from cem_jax.sharding import make_mesh, replicated
 from cem_jax.train import load_config, train
-from cem_jax.train.checkpoint import Checkpointer, CheckpointError
+from cem_jax.train.checkpoint import Checkpointer, CheckpointError, complete_steps
 from cem_jax.train.config import MeshConfig, OptimizerConfig
-from cem_jax.train.metrics import MetricsWriter
+from cem_jax.train.metrics import MetricsWriter, logged_records, logged_values
 from cem_jax.train.optim import decay_mask, learning_rate, make_optimizer
 from cem_jax.train.run import log_to_stdout
 from cem_jax.train.step import Trainer
 
 STEPS = 20
+EVERY = [f"run.steps={STEPS}", "run.checkpoint_every=4", "run.eval_every=5"]
+VARYING = ("kind", "step", "time", "tokens_per_s", "mfu")  # differ between runs, or keyed on
 # A changed value of every OptimizerConfig field (defaults: lr 3e-3, warmup 100, min ratio 0.1,
 # b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1, clip 1.0, accumulation 1).
 CHANGED = {"lr": 1e-4, "warmup_steps": 0, "min_lr_ratio": 0.0, "b1": 0.0, "b2": 0.999,
@@ -70,12 +78,18 @@ def logged_scalars(run_dir) -> dict[tuple[str, int], float]:
             for r in records for k, v in r.items() if k not in ("step", "kind", "time")}
 
 
+def logged(run_dir) -> list[tuple[str, int, dict[str, float]]]:
+    """metrics.jsonl's records in order as (kind, step, values), without the ones that differ
+    between two runs of the same steps (time, tokens/s, MFU)."""
+    return [(r["kind"], r["step"], {k: v for k, v in r.items() if k not in VARYING})
+            for r in logged_records(run_dir)]
+
+
 @pytest.fixture(scope="module")
 def straight(tiny_overrides, tmp_path_factory):
-    """The run directory of 20 steps straight."""
+    """The run directory of 20 steps straight, validated every 5."""
     run_dir = tmp_path_factory.mktemp("straight")
-    result = run_cli([*tiny_overrides, f"run.dir={run_dir}", f"run.steps={STEPS}",
-                      "run.checkpoint_every=4"])
+    result = run_cli([*tiny_overrides, f"run.dir={run_dir}", *EVERY])
     assert result.returncode == 0, result.stderr
     losses = train_losses(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
@@ -83,15 +97,17 @@ def straight(tiny_overrides, tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("sig,returncode", [("SIGKILL", -9), ("SIGTERM", 0)])
+@pytest.mark.parametrize("sig,returncode", [("SIGKILL", -9), ("SIGTERM", 75)])
 def test_resume_after_signal_is_exact(straight, tiny_overrides, tmp_path, sig, returncode):
-    common = [*tiny_overrides, f"run.dir={tmp_path}", f"run.steps={STEPS}",
-              "run.checkpoint_every=4"]
+    common = [*tiny_overrides, f"run.dir={tmp_path}", *EVERY]
     first = run_cli([*common, "run.debug_signal_step=10", f"run.debug_signal={sig}"])
     assert first.returncode == returncode, first.stderr
-    if sig == "SIGTERM":  # a clean stop saves the step it stopped at
-        assert "stopped by a signal at step 10" in first.stdout + first.stderr
+    if sig == "SIGTERM":  # a clean stop saves the step it stopped at, and says so
+        assert first.stderr.splitlines() == [
+            f"cem-train: stopped by a signal (SIGTERM) at step 10; checkpoint saved in "
+            f"{tmp_path / 'checkpoints'}: start it again to resume (exit status 75)"]
         assert (tmp_path / "checkpoints" / "10").is_dir()
+        assert logged_values(tmp_path, 10, "eval") is None  # due, not done: the stop is prompt
     # metrics are read a step late: a hard kill right after dispatching step 10 loses its
     # record (the resumed run logs it); a clean stop finishes the step first
     assert max(train_losses(tmp_path)) == (10 if sig == "SIGTERM" else 9)
@@ -101,12 +117,76 @@ def test_resume_after_signal_is_exact(straight, tiny_overrides, tmp_path, sig, r
     resumed_from = int(output.split("from step ")[1].split()[0])
     assert resumed_from == 10 if sig == "SIGTERM" else 4 <= resumed_from <= 10
     assert train_losses(tmp_path) == train_losses(straight)  # every step, bit for bit
+    assert logged(tmp_path) == logged(straight)  # the validation due at step 10 too
     # The killed process's records up to its checkpoint were flushed with it: TensorBoard shows
     # every step once, with the values of metrics.jsonl.
     shown = tensorboard_scalars(tmp_path)
     assert shown == logged_scalars(tmp_path)
     assert sorted(step for tag, step in shown if tag == "train/loss") == \
         list(range(1, STEPS + 1))
+
+
+def test_a_run_stopped_during_a_validation_does_it_when_started_again(straight, tiny_overrides,
+                                                                      tmp_path):
+    common = [*tiny_overrides, f"run.dir={tmp_path}", *EVERY]
+    checkpoints = tmp_path / "checkpoints"
+    first = signal_at("eval-1", "SIGTERM", common)  # during the validation of step 5
+    assert first.returncode == 75, first.stderr
+    assert first.stderr.splitlines() == [
+        f"cem-train: stopped by a signal (SIGTERM) at step 5; checkpoint saved in {checkpoints}: "
+        f"start it again to resume (exit status 75)"]
+    assert logged_values(tmp_path, 5, "eval") is None
+    # Started again, it validates step 5 first, then 10 and 15; its 4th validation is the final
+    second = signal_at("eval-4", "SIGTERM", common)
+    assert second.returncode == 75, second.stderr
+    assert second.stderr.splitlines() == [
+        f"cem-train: stopped by a signal (SIGTERM) during the final validation; the checkpoint "
+        f"of step {STEPS} is kept in {checkpoints}: start it again to validate (exit status 75)"]
+    assert (checkpoints / str(STEPS)).is_dir() and logged_values(tmp_path, STEPS, "eval") is None
+    third = run_cli(common)
+    assert third.returncode == 0, third.stderr
+    assert "nothing to train" not in third.stdout and "step 21" not in third.stdout
+    assert logged(tmp_path) == logged(straight)
+
+
+def test_a_run_resumed_and_stopped_before_its_first_step_keeps_what_it_had(
+        straight, tiny_overrides, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    result = signal_at("peak-flops", "SIGTERM", [*tiny_overrides, f"run.dir={run_dir}",
+                                                 *EVERY, "run.steps=24"])
+    assert result.returncode == 75, result.stderr
+    assert result.stderr.splitlines() == [
+        f"cem-train: stopped by a signal (SIGTERM) before its first step; the run stays at step "
+        f"{STEPS} ({run_dir / 'checkpoints'}): start it again to resume (exit status 75)"]
+    assert complete_steps(run_dir / "checkpoints") == [12, 16, 20]
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+    with open(run_dir / ".lock") as lock:  # released
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_newest_checkpoint(straight, tiny_overrides,
+                                                                 tmp_path):
+    """A real failed write: the resumed run may write files of at most 64 KiB (RLIMIT_FSIZE;
+    a write past it fails with EFBIG, SIGXFSZ ignored), and its checkpoint's arrays take more,
+    so its save at step 24 fails inside orbax/TensorStore."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    limited = ("import resource, runpy, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10)); "
+               "runpy.run_module('cem_jax.train', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", limited, *tiny_overrides, f"run.dir={run_dir}",
+                             *EVERY, "run.steps=24"], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"cem-train: error: cannot write {run_dir / 'checkpoints'}: File too large; raise the "
+        f"file size limit (ulimit -f) or give another run.dir (the newest checkpoint, step 20, "
+        f"is kept) (exit status 2)"]
+    assert "Traceback" not in result.stdout and "ERROR" not in result.stdout
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["12", "16", "20"]
+    assert load_run(run_dir).step == STEPS  # the newest checkpoint reads as it did
 
 
 def test_a_new_or_resumed_writer_leaves_each_step_logged_once(tmp_path):
@@ -179,12 +259,11 @@ def test_a_finished_run_started_again_reports_its_result_and_writes_nothing(
     last = json.loads((straight / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["kind"] == "eval" and last["step"] == STEPS
     log_to_stdout()  # what cem-train prints
-    summary = train(load_config(None, [*tiny_overrides, f"run.dir={straight}",
-                                       f"run.steps={STEPS}", "run.checkpoint_every=4",
+    summary = train(load_config(None, [*tiny_overrides, f"run.dir={straight}", *EVERY,
                                        "optimizer.lr=0.5"]))  # nothing runs with it
     out = capsys.readouterr().out
     assert "changed settings" not in out  # and config.yaml keeps what ran (files below)
-    assert summary["step"] == STEPS and not summary["stopped_early"]
+    assert summary["step"] == STEPS
     assert summary["eval"] == {k: last[k] for k in ("loss", "perplexity", "bits_per_byte_est")}
     assert f"validation after {STEPS} steps: loss {last['loss']:.4f} nats/token" in out
     assert summary["sample"] and "sample:" in out

@@ -25,7 +25,7 @@ def test_the_config_of_a_moved_run_names_both_directories(tiny_overrides, tmp_pa
 def test_brackets_in_the_run_dir_are_refused_before_anything_is_written(tiny_overrides, tmp_path,
                                                                         capsys):
     run_dir = tmp_path / "br[1]" / "run"
-    assert main([*tiny_overrides, f"run.dir={run_dir}", "run.steps=2"]) == 1
+    assert main([*tiny_overrides, f"run.dir={run_dir}", "run.steps=2"]) == 2
     assert "has '[' or ']' in its path: orbax would write checkpoints there that can never be " \
            "restored" in capsys.readouterr().err
     assert not (tmp_path / "br[1]").exists()

@@ -109,7 +109,7 @@ def test_target_names_give_chips_and_device(name, chips, kind, platform):
      "runs cuDNN's flash attention there, which JAX traces only where a GPU and cuDNN are"),
 ])
 def test_a_bad_target_is_named(args, message, capsys):
-    assert main(["--config", str(FULL), "--dry-run", *args]) == 1
+    assert main(["--config", str(FULL), "--dry-run", *args]) == 2
     assert capsys.readouterr().err.startswith(f"cem-train: error: {message}")
 
 

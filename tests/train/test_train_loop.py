@@ -1,10 +1,13 @@
 """The loop in-process: NaN stop keeps the last good checkpoint, gradient accumulation equals the
 big batch, the optimizer's decay mask, config errors and the FLOP formula."""
 
+import errno
 import fcntl
+import gc
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +20,7 @@ from train_helpers import run_cli
 from cem_jax.config import ModelConfig
 from cem_jax.sharding import global_batch, make_mesh
 from cem_jax.train import load_config, main, metrics, train
-from cem_jax.train.checkpoint import Checkpointer, drop_failed_restore_echoes
+from cem_jax.train.checkpoint import Checkpointer, drop_failure_echoes
 from cem_jax.train.config import MeshConfig, OptimizerConfig
 from cem_jax.train.metrics import flops_per_token
 from cem_jax.train.optim import decay_mask, learning_rate
@@ -28,7 +31,8 @@ def test_nan_stops_the_run_and_keeps_the_good_checkpoint(tiny_overrides, tmp_pat
     status = main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=12",
                    "run.checkpoint_every=3", "run.debug_nan_step=8"])
     err = capsys.readouterr().err
-    assert status == 1
+    assert status == 3  # diverged: not retried
+    assert err.rstrip().endswith("(exit status 3)") and "cem-train: diverged: " in err
     assert "non-finite training metrics at step 8" in err
     assert "the latest good checkpoint is step 6" in err and "then resume" in err
     checkpointer = Checkpointer(tmp_path, keep=3)
@@ -133,13 +137,18 @@ def test_a_null_clip_norm_turns_clipping_off():
 
 
 def test_missing_validation_corpus_fails_before_training(tiny_overrides, tmp_path, capsys):
-    run_dir = tmp_path / "run"
     missing = tmp_path / "no_such_val.txt"
-    args = [*tiny_overrides, f"run.dir={run_dir}", f"data.val_corpus={missing}"]
-    assert main(args) == 1
+    args = [*tiny_overrides, f"data.val_corpus={missing}"]
+    assert main([*args, f"run.dir={tmp_path / 'runs' / 'new'}"]) == 2  # cannot run as configured
     assert str(missing) in capsys.readouterr().err
-    assert not (run_dir / "metrics.jsonl").exists()  # no step was taken
-    assert not list((run_dir / "checkpoints").glob("*"))
+    assert not (tmp_path / "runs").exists()  # the directories it made held nothing: removed
+    mine = tmp_path / "mine"  # a run directory that was there already is left as it was
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    assert main([*args, f"run.dir={mine}"]) == 2
+    assert (mine / "notes.txt").read_text() == "my notes"
+    assert not (mine / "metrics.jsonl").exists()  # no step was taken
+    assert not list((mine / "checkpoints").glob("*"))
 
 
 def test_flops_of_the_llama_twin_follow_palm_and_tying_saves_the_values():
@@ -192,7 +201,7 @@ def test_overflowing_parameters_stop_the_run_before_they_are_saved(tiny_override
     status = main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=3",
                    "run.checkpoint_every=1", "optimizer.lr=1e38", "optimizer.warmup_steps=0"])
     err = capsys.readouterr().err
-    assert status == 1
+    assert status == 3
     assert "at step 1" in err and "norm of the updated parameters inf" in err
     assert f"no checkpoint was written yet in {tmp_path}" in err and "start again" in err
     checkpointer = Checkpointer(tmp_path, keep=3)
@@ -211,24 +220,63 @@ def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, 
         if path.is_file():
             path.write_bytes(b"garbage" if damage == "garbage" else b"")
     result = run_cli([*args[:-2], "run.steps=5"])
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert f"cem-train: error: cannot restore checkpoint {state.parent} (" in result.stderr
     assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr
 
 
-def test_only_the_echoes_of_a_failed_restore_are_dropped(monkeypatch, caplog):
+# A read that orbax abandons when a restore fails: closed by its finalizer, it raises its error
+# again, which Python prints as "Exception ignored in: <coroutine ...>" with a traceback.
+ABANDONED_READ = """
+class Pending:
+    def __await__(self):
+        yield
+
+async def read():
+    try:
+        await Pending()
+    except BaseException:
+        raise Exception("Encountered error while reading array index: (slice(0, 4, 1),)")
+"""
+
+
+def _abandon_a_read(filename: str) -> None:
+    """Start ABANDONED_READ's coroutine as compiled from `filename`, then drop it."""
+    namespace = {}
+    exec(compile(ABANDONED_READ, filename, "exec"), namespace)
+    coroutine = namespace["read"]()
+    coroutine.send(None)
+    del coroutine
+    gc.collect()
+
+
+def test_only_the_echoes_of_a_failed_checkpoint_read_or_write_are_dropped(monkeypatch, caplog):
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(repr(u.exc_value)))
-    drop_failed_restore_echoes()
-    drop_failed_restore_echoes()  # installed once
+    drop_failure_echoes()
+    drop_failure_echoes()  # installed once
     for err in (RuntimeError("Event loop is closed"), RuntimeError("another"),
                 ValueError("Event loop is closed")):
-        sys.unraisablehook(SimpleNamespace(exc_value=err))
-    assert seen == ["RuntimeError('another')", "ValueError('Event loop is closed')"]
-    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        sys.unraisablehook(SimpleNamespace(exc_value=err, object=None))
+    _abandon_a_read(os.path.join(os.sep, "venv", "orbax", "checkpoint", "serialization.py"))
+    _abandon_a_read("mine.py")  # not orbax's: shown
+    assert seen == ["RuntimeError('another')", "ValueError('Event loop is closed')",
+                    "Exception('Encountered error while reading array index: (slice(0, 4, 1),)')"]
+    with caplog.at_level(logging.ERROR):
         logging.getLogger("asyncio").error("Task exception was never retrieved\nfuture: ...")
+        logging.getLogger("asyncio").error("_GatheringFuture exception was never retrieved")
         logging.getLogger("asyncio").error("Unclosed client session")
-    assert [r.getMessage() for r in caplog.records] == ["Unclosed client session"]
+        orbax = os.path.join(os.sep, "venv", "orbax", "checkpoint", "future.py")
+        for path, err in ((orbax, ValueError("RESOURCE_EXHAUSTED: ... [os_error_code='28']")),
+                          (orbax, OSError(errno.EFBIG, "File too large")),
+                          (orbax, ValueError("INVALID_ARGUMENT: ... [os_error_code='22']")),
+                          ("mine.py", OSError(errno.ENOSPC, "No space left on device"))):
+            absl = logging.getLogger("absl")
+            absl.handle(absl.makeRecord("absl", logging.ERROR, path, 1, "save failed: %s",
+                                        (err,), (type(err), err, None)))
+    assert [r.getMessage() for r in caplog.records] == [
+        "Unclosed client session", "save failed: INVALID_ARGUMENT: ... [os_error_code='22']",
+        "save failed: [Errno 28] No space left on device"]
 
 
 def test_resume_refuses_a_changed_model_or_token_stream_and_reports_a_changed_optimizer(
@@ -237,12 +285,12 @@ def test_resume_refuses_a_changed_model_or_token_stream_and_reports_a_changed_op
             "run.eval_batches=1"]
     assert main(args) == 0
     capsys.readouterr()
-    assert main([*args, "model.d_model=64"]) == 1
+    assert main([*args, "model.d_model=64"]) == 2
     assert "different model config (saved, given): {'model.d_model': (32, 64)}" \
         in capsys.readouterr().err
-    assert main([*args, "data.seq_len=32"]) == 1
+    assert main([*args, "data.seq_len=32"]) == 2
     assert "{'data.seq_len': (16, 32)}" in capsys.readouterr().err
-    assert main([*args, "run.steps=2"]) == 1
+    assert main([*args, "run.steps=2"]) == 2
     assert "run.steps = 2 but the run in" in capsys.readouterr().err
     # data.vocab_size beside a given tokenizer does not choose the tokens: its config.yaml's
     # 400 (the equality the configs once needed) and null (the tokenizer's) are the same run
@@ -304,13 +352,13 @@ def test_a_run_dir_in_use_or_not_a_directory_is_refused(tiny_overrides, tmp_path
         held.write("pid 1234 on elsewhere")
         held.flush()
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert main([*args, f"run.dir={run_dir}"]) == 1
+        assert main([*args, f"run.dir={run_dir}"]) == 2
         assert "is in use by another cem-train (pid 1234 on elsewhere)" in capsys.readouterr().err
     assert not (run_dir / "checkpoints").exists()
     (tmp_path / "file").write_text("x")
-    assert main([*args, f"run.dir={tmp_path / 'file'}"]) == 1
+    assert main([*args, f"run.dir={tmp_path / 'file'}"]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
-    assert main([*args, f"run.dir={tmp_path / 'file' / 'run'}"]) == 1
+    assert main([*args, f"run.dir={tmp_path / 'file' / 'run'}"]) == 2
     assert "Not a directory" in capsys.readouterr().err
     assert main([*args, f"run.dir={run_dir}"]) == 0  # the lock was released
 
@@ -321,18 +369,42 @@ def test_out_of_device_memory_is_a_clear_error(tiny_overrides, tmp_path, monkeyp
                                          "11338974384580 bytes.\nmore detail")
 
     monkeypatch.setattr("cem_jax.train.run.TrainLoop.run", oom)
-    assert main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=2"]) == 1
+    assert main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=2"]) == 2
     err = capsys.readouterr().err
     assert ("cem-train: error: the step needs more memory than the device has (RESOURCE_EXHAUSTED"
             ": Out of memory allocating 11338974384580 bytes.); lower data.batch_size") in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and err.rstrip().endswith("(exit status 2)")
+
+
+@pytest.mark.parametrize("error, status, line", [
+    (jax.errors.JaxRuntimeError("INTERNAL: lost the coordination service\nmore detail"), 1,
+     "cem-train: crashed: JaxRuntimeError: INTERNAL: lost the coordination service (exit "
+     "status 1)"),  # a lost host: retried by the launchers
+    (OSError(errno.EIO, "Input/output error"), 1,
+     "cem-train: crashed: OSError: [Errno 5] Input/output error (exit status 1)"),
+    (OSError(errno.ENOSPC, "No space left on device", "/runs/r/metrics.jsonl"), 2,
+     "cem-train: error: cannot write /runs/r/metrics.jsonl: No space left on device; free space "
+     "there or give another run.dir (no checkpoint was written yet) (exit status 2)"),
+], ids=["lost-host", "io-error", "disk-full"])
+def test_an_error_in_training_ends_with_its_status_and_one_line(
+        tiny_overrides, tmp_path, monkeypatch, capsys, error, status, line):
+    """A crash prints its traceback (a bug or an infrastructure failure: someone needs it)
+    before the line; an error that a retry would meet again is the line alone."""
+    def fail(self):
+        raise error
+
+    monkeypatch.setattr("cem_jax.train.run.TrainLoop.run", fail)
+    assert main([*tiny_overrides, f"run.dir={tmp_path}", "run.peak_flops=1e12"]) == status
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == line
+    assert ("Traceback (most recent call last)" in err) == (status == 1)
 
 
 def test_a_model_that_cannot_fit_is_refused_before_anything_is_written(tiny_overrides,
                                                                          tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main([*tiny_overrides, f"run.dir={run_dir}", "model.d_model=16384",
-                 "model.mlp_dim=65536", "model.num_heads=128"]) == 1
+                 "model.mlp_dim=65536", "model.num_heads=128"]) == 2  # cannot run as configured
     err = capsys.readouterr().err
     assert "a train step of this 5,375,344,644-parameter model (parameters, gradients, " \
            "optimizer state: 86.0 GB per device" in err and "more than the" in err
@@ -349,11 +421,11 @@ def test_an_unwritable_run_dir_is_named_and_a_finished_one_still_reports(
     monkeypatch.setattr("os.access", lambda path, mode: Path(path) != tmp_path)  # read-only
     assert main([*args, "run.steps=2"]) == 0  # finished: nothing to write
     assert "validation after 2 steps" in capsys.readouterr().out
-    assert main([*args, "run.steps=3"]) == 1
+    assert main([*args, "run.steps=3"]) == 2
     assert f"cannot write in run.dir {tmp_path} (read-only or not yours)" in \
         capsys.readouterr().err
     assert (tmp_path / "config.yaml").read_text() == config
-    assert main([*args, "run.dir=/proc/no/run"]) == 1
+    assert main([*args, "run.dir=/proc/no/run"]) == 2
     assert "cannot create run.dir /proc/no/run (No such file or directory" in \
         capsys.readouterr().err
 
@@ -362,7 +434,7 @@ def test_an_impl_this_platform_cannot_run_fails_before_anything_is_written(
         tiny_overrides, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main([*tiny_overrides, f"run.dir={run_dir}", "model.impl=cudnn",
-                 "model.dtype=bfloat16"]) == 1
+                 "model.dtype=bfloat16"]) == 2
     assert "impl='cudnn' runs cuDNN's flash attention, which needs a GPU" in \
         capsys.readouterr().err
     assert not run_dir.exists()

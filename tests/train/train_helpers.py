@@ -1,4 +1,5 @@
-"""Helpers of the training tests: run `cem-train` in a subprocess, read a run's losses."""
+"""Helpers of the training tests: run `cem-train` in a subprocess (with a signal at a chosen
+point, too), read a run's losses."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def run_cli(args: list[str], env: dict[str, str] | None = None,
     return subprocess.run([sys.executable, "-m", "cem_jax.train", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+def signal_at(point: str, sig: str, args: list[str],
+              timeout: float = 300) -> subprocess.CompletedProcess:
+    """`cem-train ARGS` in a subprocess that sends itself `sig` ("SIGINT", "SIGTERM", "SIGINTx2":
+    twice) when it reaches `point` (tests/train/signal_at.py lists them)."""
+    return subprocess.run([sys.executable, str(Path(__file__).with_name("signal_at.py")), point,
+                           sig, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
