@@ -8,13 +8,22 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
-from conftest import make_documents
 
 from cem_jax.data import formats, load_tokenizer, shards, sources, tokenize
 from cem_jax.data.cli import main as data_main
 from cem_jax.data.shards import DatasetError, TokenStream
 from cem_jax.data.tokenize import tokenize_dataset
+
+WORDS = "the king queen lord lady sword crown night day love death honour fool wit".split()
+
+
+def make_documents(count: int, seed: int) -> list[str]:
+    """`count` documents of 200 to 600 words."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, rng.integers(200, 600))) + "\n" for _ in range(count)]
 
 
 @pytest.fixture
@@ -139,9 +148,6 @@ def test_units_gather_files_up_to_a_size_and_cut_a_large_parquet_file(tmp_path, 
                             ("",) * 7)
     assert [(u.first, u.last, u.size) for u in source.units()] == [
         (0, 2, 10), (3, 3, 20), (4, 6, 8)]
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     path = tmp_path / "big.parquet"
     pq.write_table(pa.table({"text": ["x" * 40] * 10}), path, row_group_size=2)
     group = formats.row_groups(str(path))[0].size  # each of the 5 row groups alike

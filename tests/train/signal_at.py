@@ -49,19 +49,19 @@ def arm(point: str, fire) -> None:
     if point == "import":
         sys.meta_path.insert(0, _OnJaxImport(fire))
         return
-    from cem_jax.data import corpus
+    from cem_jax.data import sources
     from cem_jax.train import metrics, run, step
 
     if point == "documents":
-        documents = corpus.Split.documents
+        documents = sources.Source.documents
 
-        def documents_then_fire(self):
-            for i, doc in enumerate(documents(self)):
+        def documents_then_fire(self, unit=None):
+            for i, doc in enumerate(documents(self, unit)):
                 yield doc
                 if i == 0:
                     fire()
 
-        corpus.Split.documents = documents_then_fire
+        sources.Source.documents = documents_then_fire
     elif point == "peak-flops":
         measure = metrics.measure_matmul_peak
         metrics.measure_matmul_peak = lambda *a, **k: (fire(), measure(*a, **k))[1]

@@ -17,17 +17,23 @@ STOPPED = ("cem-train: stopped by a signal (SIGINT) before the first step; nothi
            "(exit status 75)")
 
 
-def _cache_files(cache) -> list[str]:
-    return sorted(str(p.relative_to(cache)).split("-")[0] for p in cache.rglob("*")
-                  if p.is_file()) if cache.exists() else []
+def _datasets(cache) -> list[str]:
+    """"complete" or "partial" for each tokenized dataset folder of the cache holding a file."""
+    tokens = cache / "tokens"
+    folders = [p for p in tokens.iterdir() if any(f.is_file() for f in p.rglob("*"))] \
+        if tokens.is_dir() else []
+    return sorted("complete" if (p / "manifest.json").is_file() else "partial" for p in folders)
+
+
+BOTH = ["complete", "complete"]  # the training and the validation corpus
 
 
 @pytest.mark.parametrize("point, extra, cached", [
     ("import", [], []),  # JAX is being imported
     ("documents", ["data.tokenizer=null"], []),  # the tokenizer's training reads the text
     ("documents", [], []),  # the training split is being tokenized: it stops after one document
-    ("peak-flops", [], ["tokens/train", "tokens/validation"]),  # the probe's compile and runs
-    ("first-step", [], ["tokens/train", "tokens/validation"]),  # the first step's compilation
+    ("peak-flops", [], BOTH),  # the probe's compile and runs
+    ("first-step", [], BOTH),  # the first step's compilation
 ], ids=["import", "tokenizer-training", "tokenizing", "peak-flops", "first-step"])
 def test_a_signal_during_start_up_is_one_line_and_leaves_nothing(tiny_overrides, tmp_path, point,
                                                                  extra, cached):
@@ -38,7 +44,7 @@ def test_a_signal_during_start_up_is_one_line_and_leaves_nothing(tiny_overrides,
     assert result.stderr.splitlines() == [STOPPED]
     assert "Traceback" not in result.stdout
     assert not runs.exists()  # created by this start, holding nothing: removed
-    assert _cache_files(cache) == cached  # a tokenization stopped midway writes no file
+    assert _datasets(cache) == cached  # a unit stopped midway leaves no file
 
 
 def test_the_start_after_a_stopped_one_trains(tiny_overrides, tmp_path):
