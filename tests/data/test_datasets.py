@@ -5,6 +5,7 @@ finished unit; a damaged shard is named; `cem-data verify` checks every checksum
 
 from __future__ import annotations
 
+import gzip
 import os
 
 import numpy as np
@@ -12,7 +13,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cem_jax.data import formats, load_tokenizer, shards, sources, tokenize
+from cem_jax.data import (
+    DataConfig,
+    files,
+    formats,
+    load_tokenizer,
+    make_train_iterator,
+    shards,
+    sources,
+    tokenize,
+)
 from cem_jax.data.cli import main as data_main
 from cem_jax.data.shards import DatasetError, TokenStream
 from cem_jax.data.tokenize import tokenize_dataset
@@ -170,3 +180,28 @@ def test_a_stream_limited_to_whole_documents_ends_with_eos(corpus, tmp_path,
     want = expected_stream(source, tokenizer)[:limit] + [tokenizer.eos_id]
     assert list(stream.read(0, len(stream))) == want
     assert np.count_nonzero(stream.read(0, len(stream)) == tokenizer.eos_id) == 3
+
+
+def test_a_corpus_and_a_cache_on_gs_give_the_local_batches(tmp_path, gcs_bucket,
+                                                          small_tokenizer_path):
+    """A .jsonl.gz corpus and the tokenizer read from gs://, tokenized into a cache on gs://:
+    the same batches as the same files on the local disk."""
+    lines = "".join(f'{{"text": "{doc.strip()}"}}\n' for doc in make_documents(8, 5))
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    files.write_bytes(f"{gcs_bucket}/corpus/c.jsonl.gz", (tmp_path / "c.jsonl.gz").read_bytes())
+    files.write_bytes(f"{gcs_bucket}/tok/tokenizer.model", small_tokenizer_path.read_bytes())
+    common = dict(seq_len=16, batch_size=4, val_fraction=0.25)
+    remote = DataConfig(corpus=f"{gcs_bucket}/corpus/*.jsonl.gz", cache_dir=f"{gcs_bucket}/cache",
+                        tokenizer=f"{gcs_bucket}/tok/tokenizer.model", **common)
+    local = DataConfig(corpus=str(tmp_path / "c.jsonl.gz"), cache_dir=str(tmp_path / "cache"),
+                       tokenizer=str(small_tokenizer_path), **common)
+    tokenizer = load_tokenizer(remote.tokenizer)
+    assert tokenizer.sha256 == load_tokenizer(local.tokenizer).sha256
+
+    def first_batches(cfg):
+        batches = make_train_iterator(cfg, tokenizer, process_index=0, process_count=1)
+        return [next(batches)["inputs"] for _ in range(3)]
+
+    for got, want in zip(first_batches(remote), first_batches(local), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert len(files.glob(f"{gcs_bucket}/cache/tokens/*/manifest.json")) == 1
