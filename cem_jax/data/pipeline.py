@@ -224,8 +224,11 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, split: str,
 
 def _open(manifest: Manifest, part: str, tokenizer: Tokenizer, limit: int | None,
           name: str) -> TokenizedSplit:
-    if part not in manifest.splits:
-        raise DatasetError(f"the tokenized dataset {manifest.root} holds no {part} documents")
+    if part not in manifest.splits:  # a fraction too small for the corpus
+        documents = sum(s.documents for s in manifest.splits["documents"])
+        raise DatasetError(f"data.val_fraction = {manifest.held_out_fraction} held out none of "
+                           f"the {documents:,} documents of {manifest.root}: raise "
+                           f"data.val_fraction, or give a validation corpus as data.val_corpus")
     shards_of = manifest.splits[part]
     stats = SplitStats(sum(s.documents for s in shards_of), sum(s.tokens for s in shards_of),
                        sum(s.bytes for s in shards_of))

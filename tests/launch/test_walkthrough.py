@@ -22,6 +22,7 @@ from cem_jax.data import files, shards
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "pod_training.md"
+DOCUMENTS = 24_000
 WORDS = "the school teaches reading writing science history students learn every day".split()
 TINY = ["model.vocab_size=448", "model.d_model=32", "model.num_layers=2", "model.num_heads=2",
         "model.head_dim=16", "model.mlp_dim=64", "model.dtype=float32", "model.remat=none",
@@ -40,12 +41,12 @@ def block(marker: str) -> str:
 
 def stand_in_corpus(bucket: str, tmp_path: Path) -> None:
     """Step 1 of the doc, done here: three Parquet files and a tokenizer.json in the bucket."""
-    rng = np.random.default_rng(0)
-    texts = [" ".join(rng.choice(WORDS, rng.integers(40, 120))) + "." for _ in range(120)]
+    rng = np.random.default_rng(0)  # enough documents for the doc's held-out fraction
+    texts = [" ".join(rng.choice(WORDS, rng.integers(3, 12))) + "." for _ in range(DOCUMENTS)]
     for i in range(3):
         local = tmp_path / f"{i:03d}_00000.parquet"
-        pq.write_table(pa.table({"text": texts[i::3], "id": list(range(40))}), local,
-                       row_group_size=10)
+        pq.write_table(pa.table({"text": texts[i::3], "id": range(i, DOCUMENTS, 3)}), local,
+                       row_group_size=1000)
         files.write_bytes(f"{bucket}/fineweb-edu-10bt/{local.name}", local.read_bytes())
     train_byte_level_bpe(texts, 400, tmp_path / "tokenizer.json")
     files.write_bytes(f"{bucket}/tokenizer/tokenizer.json",
@@ -75,8 +76,9 @@ def test_the_pod_walkthrough_runs_on_a_stand_in(gcs_bucket, tmp_path):
     assert "every shard matches its manifest" in tokenized.stdout
     manifest = shards.read_manifest(f"{gcs_bucket}/tokens/fineweb-edu-10bt")
     assert manifest.tokenizer["kind"] == "huggingface" and manifest.held_out_fraction == 0.0005
-    assert sum(s.documents for s in manifest.splits["documents"]) == 120 - sum(
-        s.documents for s in manifest.splits.get("held_out", ()))
+    held_out = sum(s.documents for s in manifest.splits["held_out"])
+    assert sum(s.documents for s in manifest.splits["documents"]) + held_out == DOCUMENTS
+    assert 0 < held_out < 30  # 0.05% of them
 
     command = block("train").replace("\\\n", " ")
     overrides = subprocess.run(
