@@ -5,9 +5,11 @@ tokenized dataset 10x larger than another.
     python benchmarks/data.py [--repeats 3] [--corpus-mb 24] [--small-gb 0.1] [--large-gb 1]
 
 (1) Tokenization (`cem_jax.data.tokenize.tokenize_dataset`, what `cem-data tokenize` runs): a
-corpus of 8 text files cut from Shakespeare's training works (`--corpus-mb` MB in all), with the
-`make train` tokenizer (sentencepiece, 2k), tokenized with one worker of one thread and with the
-defaults (a worker process per core), interleaved `--repeats` times; medians and their ratio.
+corpus of 8 text files cut from Shakespeare's training works (`--corpus-mb` MB in all),
+tokenized with one worker of one thread and with the defaults (a worker process per core),
+interleaved `--repeats` times; medians and their ratio. Twice: with the `make train` tokenizer
+(sentencepiece BPE, 2,048 pieces) and with a Hugging Face byte-level BPE `tokenizer.json` of
+GPT-2's kind (8,192 pieces, trained here on the same text with the `tokenizers` library).
 (2) The reader: `make_train_iterator` over the large dataset below, the rows one host of a
 v5p-32 reads per step of `configs/cem_full_100m.yaml` (512 rows over 4 hosts: 128 x 1024
 tokens), batches per second as tokens/s, against the ~1M tokens/s such a host trains the 100M
@@ -32,7 +34,14 @@ from pathlib import Path
 
 import numpy as np
 
-from cem_jax.data import DataConfig, build_tokenizer, shakespeare, shards, sources
+from cem_jax.data import (
+    DataConfig,
+    build_tokenizer,
+    load_tokenizer,
+    shakespeare,
+    shards,
+    sources,
+)
 from cem_jax.data.pipeline import cache_root
 from cem_jax.data.shards import Manifest, Shard
 from cem_jax.data.tokenize import tokenize_dataset
@@ -80,12 +89,27 @@ def tokenization(cfg: DataConfig, tokenizer, corpus: str, repeats: int, work: Pa
     for r in range(repeats):
         for name, options in (("one worker, one thread", {"workers": 1, "threads": 1}),
                               ("default (all cores)", {})):
-            root = work / f"tok-{r}-{len(times[name])}-{options.get('workers', 0)}"
+            root = work / f"tok-{tokenizer.sha256[:8]}-{r}-{options.get('workers', 0)}"
             start = time.perf_counter()
             manifest = tokenize_dataset(source, tokenizer, str(root), **options)
             times[name].append(time.perf_counter() - start)
             tokens = sum(s.tokens for s in manifest.splits["documents"])
     return {"tokens": tokens, **{name: statistics.median(t) for name, t in times.items()}}
+
+
+def byte_level_bpe(corpus: str, path: Path) -> None:
+    """An 8,192-piece GPT-2-style byte-level BPE tokenizer.json trained on the first of
+    `corpus`'s files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train([str(p) for p in sorted(Path(corpus).parent.glob("*.txt"))[:1]],
+                    trainers.BpeTrainer(vocab_size=8192, special_tokens=["<|endoftext|>"],
+                                        show_progress=False,
+                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(path))
 
 
 def synthetic_dataset(root: Path, gigabytes: float, tokenizer) -> None:
@@ -151,13 +175,19 @@ def main() -> int:
         work = Path(tmp)
         (work / "corpus").mkdir()
         corpus = make_corpus(work / "corpus", cfg, args.corpus_mb)
-        tok = tokenization(cfg, tokenizer, corpus, args.repeats, work)
-        one, default = tok["one worker, one thread"], tok["default (all cores)"]
-        print(f"tokenization of {args.corpus_mb:g} MB ({tok['tokens']:,} tokens, 8 files), "
-              f"{os.cpu_count()} cores, medians of {args.repeats}:")
-        print(f"  one worker, one thread: {one:7.2f} s  {tok['tokens'] / one:12,.0f} tokens/s")
-        print(f"  default (all cores):    {default:7.2f} s  {tok['tokens'] / default:12,.0f} "
-              f"tokens/s  ({one / default:.2f}x; goal >= 1.7x on 2 cores)")
+        byte_level_bpe(corpus, work / "bpe.json")
+        for name, kind in (("sentencepiece BPE, 2,048 pieces", tokenizer),
+                           ("byte-level BPE tokenizer.json, 8,192 pieces",
+                            load_tokenizer(work / "bpe.json"))):
+            tok = tokenization(cfg, kind, corpus, args.repeats, work)
+            one, default = tok["one worker, one thread"], tok["default (all cores)"]
+            print(f"tokenization of {args.corpus_mb:g} MB ({tok['tokens']:,} tokens, 8 files) "
+                  f"with {name}, {os.cpu_count()} cores, medians of {args.repeats}:")
+            print(f"  one worker, one thread: {one:7.2f} s  {tok['tokens'] / one:12,.0f} "
+                  f"tokens/s ({1e9 / (tok['tokens'] / one) / 60:.0f} min per billion tokens "
+                  f"per core)")
+            print(f"  default (all cores):    {default:7.2f} s  {tok['tokens'] / default:12,.0f} "
+                  f"tokens/s  ({one / default:.2f}x; goal >= 1.7x on 2 cores)")
         tokenizer.save(work / tokenizer.file_name)
         figures = {}
         for name, size in (("small", args.small_gb), ("large", args.large_gb)):
