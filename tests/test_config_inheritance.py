@@ -23,7 +23,7 @@ SET_100M = {
     "model": {"vocab_size": 32768, "d_model": 768, "num_layers": 12, "num_heads": 12,
               "head_dim": 64, "mlp_dim": 2048, "dtype": "bfloat16", "remat": "full"},
     "data": {"corpus": "gs://YOUR-BUCKET/tokens/fineweb-edu-10bt", "val_fraction": 0.0005,
-             "val_tokens": 4000000, "vocab_size": None, "seq_len": 1024, "batch_size": 512,
+             "val_tokens": 4000000, "vocab_size": 32768, "seq_len": 1024, "batch_size": 512,
              "num_threads": 4},
     "optimizer": {"lr": 0.0006, "warmup_steps": 2000},
     "run": {"steps": 10000, "log_every": 50, "eval_every": 1000, "eval_batches": 20,

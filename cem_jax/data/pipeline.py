@@ -39,8 +39,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
+import posixpath
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,6 +68,7 @@ SPLITS = ("train", "validation", "milton")
 # Splits opened in this process: (dataset root, split, limit) → TokenizedSplit.
 _OPENED: dict[tuple[str, str, int | None], TokenizedSplit] = {}
 BARRIER_TIMEOUT_S = 48 * 3600  # processes wait this long for each other's tokenization
+_COORDINATIONS = itertools.count()  # the tokenizations processes have agreed on, in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,23 +281,29 @@ def cache_dataset_root(cfg: DataConfig, source: Source, tokenizer: Tokenizer,
 def _tokenize_once(source: Source, tokenizer: Tokenizer, root: str, fraction: float,
                    check: Callable[[], None] | None) -> None:
     """Make sure the dataset `root` exists: tokenized here (one process), or by every process
-    of a multi-process run, each its share of the units, process 0 writing the manifest."""
-    if files.is_file(files.join(root, shards.MANIFEST)):
-        return
+    of a multi-process run, each its share of the units, process 0 writing the manifest. The
+    processes first agree that they tokenize the same source with the same tokenizer (a
+    mismatch names the processes) and that they share `root` (checked by a probe file)."""
+    done = files.is_file(files.join(root, shards.MANIFEST))
     if jax.process_count() == 1:
-        tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction, check=check)
+        if not done:
+            tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction, check=check)
         return
     from cem_jax.data import distributed
 
-    name = f"cem_jax/tokenize/{root}"
-    distributed.check_shared(root, name)
+    key = f"cem_jax/tokenize/{next(_COORDINATIONS)}"  # the same in every process, in order
+    distributed.check_same(f"{key}/identity", posixpath.basename(root),
+                           "a corpus, a tokenizer or a held-out fraction")
+    if all(d == "1" for d in distributed.gather(f"{key}/done", str(int(done)))):
+        return
+    distributed.check_shared(root, key)
     index, count = jax.process_index(), jax.process_count()
     tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction, part=(index, count),
                      check=check)
-    distributed.barrier(f"{name}/units", BARRIER_TIMEOUT_S)
+    distributed.barrier(f"{key}/units", BARRIER_TIMEOUT_S)
     if index == 0:  # every unit is finished: this joins them (or does what a process left)
         tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction)
-    distributed.barrier(f"{name}/manifest", BARRIER_TIMEOUT_S)
+    distributed.barrier(f"{key}/manifest", BARRIER_TIMEOUT_S)
 
 
 def _checked(documents: Iterator[Document], check: Callable[[], None] | None

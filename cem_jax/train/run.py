@@ -208,7 +208,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     split over the mesh, and (`cem_jax.memory.DoesNotFit`) when a train step cannot fit in the
     device's memory: all checked before anything is written. A run directory this call created
     is removed again when it raises before the directory holds anything of value (a checkpoint
-    or a logged step)."""
+    or a logged step); with several processes, by the one that created it."""
     if cfg.expected_params is not None:
         check_expected_params(cfg)
     if cfg.mesh.distributed:
@@ -234,8 +234,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         with _run_dir_lock(run_dir, lead):
             return _train(cfg, run_dir, mesh, lead)
     except BaseException as err:
-        if lead:
-            _remove_if_worthless(created)
+        _remove_if_worthless(created)  # by the process that made it: any, with several
         if isinstance(err, StoppedBySignal) and not err.where:  # a stop during the start
             raise _before_first_step(err, run_dir) from None
         raise

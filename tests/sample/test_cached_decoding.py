@@ -110,7 +110,9 @@ EOS_VARIANTS = {"tied": dict(), "dplr": dict(interaction="dplr"),
                 "steps2": dict(steps=2, recompute_context=True), "baseline": BASELINE}
 
 
-@pytest.mark.parametrize("name", list(EOS_VARIANTS))
+@pytest.mark.parametrize("name", [  # ~12 s each: two in the default run
+    pytest.param(n, marks=pytest.mark.slow) if n in ("dplr", "steps2") else n
+    for n in EOS_VARIANTS])
 def test_an_eos_starts_a_new_document(name):
     """As in training (positions restart, attention stays in the document): the token after
     `… [EOS]` is predicted exactly as after a fresh `[EOS]`, whether the EOS is in the prompt

@@ -137,6 +137,7 @@ def test_a_run_killed_mid_write_is_a_failed_row(tiny_overrides, tmp_path, monkey
         (tmp_path / "r.md").read_text()
 
 
+@pytest.mark.slow  # ~70 s: four runs; the default run keeps the two cem-compare tests above
 def test_compare_two_tiny_configs_with_two_seeds(tiny_overrides, tmp_path, capsys):
     configs = []
     for name, tied in (("tiny_llama", False), ("tiny_cem", True)):

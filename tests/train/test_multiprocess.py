@@ -8,32 +8,10 @@ import subprocess
 import sys
 
 import portpicker
+import pytest
 from train_helpers import REPO, run_cli, train_losses
 
 STEPS = 6
-
-
-def test_two_processes_match_one(tiny_overrides, tmp_path):
-    common = [*tiny_overrides, f"run.steps={STEPS}", "run.checkpoint_every=3"]
-    single = run_cli([*common, f"run.dir={tmp_path / 'one'}"])
-    assert single.returncode == 0, single.stderr
-    port = portpicker.pick_unused_port()
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "cem_jax.train", *common, f"run.dir={tmp_path / 'two'}",
-         "mesh.distributed=true", f"mesh.coordinator_address=localhost:{port}",
-         "mesh.num_processes=2", f"mesh.process_id={i}", "mesh.data=1", "mesh.fsdp=2"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert "'fsdp': 2" in outputs[0]  # one mesh over both processes' devices
-    assert "sample:" in outputs[0]
-    assert "validation after" in outputs[0] and "validation after" not in outputs[1]
-    assert not (tmp_path / "two" / "checkpoints" / "6" / "data").exists()  # the step is all
-    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
-    assert sorted(two) == list(range(1, STEPS + 1))
-    for step in one:
-        assert abs(one[step] - two[step]) <= 1e-5 * abs(one[step]), step
 
 
 def test_sigterm_stops_every_process_at_one_step_through_the_preemption_service(
@@ -59,49 +37,72 @@ def test_sigterm_stops_every_process_at_one_step_through_the_preemption_service(
     assert max(train_losses(tmp_path)) == step
 
 
-def _two_processes(args: list[str], timeout: float = 300) -> list[str]:
-    """`cem-train ARGS` on two processes (one CPU device each) over jax.distributed; returns
-    their outputs (AssertionError unless both exit 0)."""
+def _two_processes(args: list[str], timeout: float = 300, own: tuple[list, list] = ([], []),
+                   returncodes: tuple[int, int] = (0, 0)) -> list[str]:
+    """`cem-train ARGS` on two processes (one CPU device each) over jax.distributed, process i
+    also given the arguments `own[i]`; returns their outputs (AssertionError unless they exit
+    with `returncodes`)."""
     port = portpicker.pick_unused_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "cem_jax.train", *args, "mesh.distributed=true",
+        [sys.executable, "-m", "cem_jax.train", *args, *own[i], "mesh.distributed=true",
          f"mesh.coordinator_address=localhost:{port}", "mesh.num_processes=2",
          f"mesh.process_id={i}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)]
     outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert tuple(p.returncode for p in procs) == returncodes, outputs
     return outputs
 
 
-def test_a_run_resumes_on_another_process_count(tiny_overrides, tmp_path):
-    """2 processes to step 3, then 1 to step 6; and 1 to step 3, then 2 to step 6: both log the
-    uninterrupted single process's losses (the batch of a step depends on the step alone), and
-    the two processes tokenized the corpus together, into a fresh cache, once."""
-    common = [*tiny_overrides, "run.checkpoint_every=3", "run.sample_tokens=0",
-              "run.eval_batches=1"]
-    whole = run_cli([*common, "run.steps=6", f"run.dir={tmp_path / 'whole'}"])
+def _one_process_alone(common: list[str], run_dir) -> dict[int, float]:
+    """The losses of one process training all STEPS steps alone."""
+    whole = run_cli([*common, f"run.steps={STEPS}", f"run.dir={run_dir}"])
     assert whole.returncode == 0, whole.stderr
+    return train_losses(run_dir)
+
+
+def _assert_losses_match(reference: dict[int, float], run_dir) -> None:
+    losses = train_losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1)), run_dir
+    for step, loss in reference.items():
+        assert abs(loss - losses[step]) <= 1e-5 * abs(loss), (run_dir, step)
+
+
+def test_two_processes_match_one_and_resume_on_one(tiny_overrides, tmp_path):
+    """The losses of one process training 6 steps alone are those of two processes to step 3
+    (tokenizing the corpus together, into a fresh cache, once), then one to step 6: the batch
+    of a step depends on the step alone; a checkpoint holds nothing per process."""
+    common = [*tiny_overrides, "run.checkpoint_every=3", "run.eval_batches=1"]
+    reference = _one_process_alone(common, tmp_path / "whole")
     cache = f"data.cache_dir={tmp_path / 'cache'}"
-    outputs = _two_processes([*common, "run.steps=3", f"run.dir={tmp_path / 'a'}", cache])
+    _two_processes([*common, "run.steps=3", "run.sample_tokens=0", f"run.dir={tmp_path / 'a'}",
+                    cache])
     tokenized = list((tmp_path / "cache" / "tokens").iterdir())
-    assert len(tokenized) == 2  # the training corpus and the validation one
-    units = sorted(p.name for p in (tokenized[0] / "units").iterdir())
-    assert len(units) >= 1 and (tokenized[0] / "manifest.json").is_file()
-    one = run_cli([*common, "run.steps=6", f"run.dir={tmp_path / 'a'}", cache])
+    assert len(tokenized) == 2 and all((t / "manifest.json").is_file() for t in tokenized)
+    assert not (tmp_path / "a" / "checkpoints" / "3" / "data").exists()  # the step is all
+    one = run_cli([*common, f"run.steps={STEPS}", f"run.dir={tmp_path / 'a'}", cache])
     assert one.returncode == 0 and "resumed" in one.stdout, one.stderr
-    first = run_cli([*common, "run.steps=3", f"run.dir={tmp_path / 'b'}", cache])
+    _assert_losses_match(reference, tmp_path / "a")
+
+
+@pytest.mark.slow  # ~40 s: three runs; a resume on another process count is tested above
+def test_one_process_resumes_on_two_with_the_parameters_split_across_them(tiny_overrides,
+                                                                          tmp_path):
+    """One process to step 3, then two to step 6 with the parameters split across them (fsdp:
+    the end-of-training sample decodes from split parameters too), as one process alone."""
+    common = [*tiny_overrides, "run.checkpoint_every=3", "run.eval_batches=1"]
+    reference = _one_process_alone(common, tmp_path / "whole")
+    first = run_cli([*common, "run.steps=3", "run.sample_tokens=0", f"run.dir={tmp_path / 'b'}"])
     assert first.returncode == 0, first.stderr
-    outputs = _two_processes([*common, "run.steps=6", f"run.dir={tmp_path / 'b'}", cache])
-    assert "resumed" in outputs[0]
-    reference = train_losses(tmp_path / "whole")
-    for name in ("a", "b"):
-        losses = train_losses(tmp_path / name)
-        assert sorted(losses) == list(range(1, 7)), name
-        for step, loss in reference.items():
-            assert abs(loss - losses[step]) <= 1e-5 * abs(loss), (name, step)
+    outputs = _two_processes([*common, f"run.steps={STEPS}", f"run.dir={tmp_path / 'b'}",
+                              "mesh.data=1", "mesh.fsdp=2"])
+    assert "resumed" in outputs[0] and "'fsdp': 2" in outputs[0]  # a mesh over both processes
+    assert "sample:" in outputs[0]
+    assert "validation after" in outputs[0] and "validation after" not in outputs[1]
+    _assert_losses_match(reference, tmp_path / "b")
 
 
+@pytest.mark.slow  # ~20 s: a checkpoint of one process resumed on two, as in the test above
 def test_an_imported_llama_fine_tunes_on_two_processes(tiny_overrides, tmp_path):
     """cem-import's run directory (checkpoint 0, written by one process) trains on two."""
     from helpers import random_params
@@ -122,3 +123,22 @@ def test_an_imported_llama_fine_tunes_on_two_processes(tiny_overrides, tmp_path)
     outputs = _two_processes(["--config", str(tmp_path / "run" / "config.yaml")])
     assert "resumed" in outputs[0] and "validation after 2 steps" in outputs[0]
     assert sorted(train_losses(tmp_path / "run")) == [1, 2]
+
+
+def test_processes_that_see_other_data_or_no_shared_cache_stop_before_any_work(tiny_overrides,
+                                                                              tmp_path):
+    """Each process tokenizes its share of a raw corpus only once they agree on it and share the
+    cache folder it goes to: otherwise every process stops at once (status 2) naming those
+    that differ."""
+    (tmp_path / "other.txt").write_text("another corpus entirely " * 50)
+    common = [*tiny_overrides, "run.steps=1", f"run.dir={tmp_path / 'run'}",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    outputs = _two_processes(common, own=([], [f"data.corpus={tmp_path / 'other.txt'}"]),
+                             returncodes=(2, 2))
+    assert "processes [1] see a corpus, a tokenizer or a held-out fraction other than process " \
+           "0's" in outputs[0]
+    outputs = _two_processes(common, own=([], [f"data.cache_dir={tmp_path / 'elsewhere'}"]),
+                             returncodes=(2, 2))
+    assert "processes [1] do not see the cache folder" in outputs[0]
+    assert "Run `cem-data tokenize --out DIR` once" in outputs[0]
+    assert not (tmp_path / "run").exists()

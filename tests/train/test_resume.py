@@ -97,7 +97,9 @@ def straight(tiny_overrides, tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("sig,returncode", [("SIGKILL", -9), ("SIGTERM", 75)])
+@pytest.mark.parametrize("sig,returncode", [
+    pytest.param("SIGKILL", -9, marks=pytest.mark.slow),  # ~30 s; a kill: test_train_loop.py too
+    ("SIGTERM", 75)])
 def test_resume_after_signal_is_exact(straight, tiny_overrides, tmp_path, sig, returncode):
     common = [*tiny_overrides, f"run.dir={tmp_path}", *EVERY]
     first = run_cli([*common, "run.debug_signal_step=10", f"run.debug_signal={sig}"])
@@ -126,6 +128,7 @@ def test_resume_after_signal_is_exact(straight, tiny_overrides, tmp_path, sig, r
         list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow  # ~40 s: three runs
 def test_a_run_stopped_during_a_validation_does_it_when_started_again(straight, tiny_overrides,
                                                                       tmp_path):
     common = [*tiny_overrides, f"run.dir={tmp_path}", *EVERY]

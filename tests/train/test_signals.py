@@ -32,7 +32,7 @@ BOTH = ["complete", "complete"]  # the training and the validation corpus
     ("import", [], []),  # JAX is being imported
     ("documents", ["data.tokenizer=null"], []),  # the tokenizer's training reads the text
     ("documents", [], []),  # the training split is being tokenized: it stops after one document
-    ("peak-flops", [], BOTH),  # the probe's compile and runs
+    pytest.param("peak-flops", [], BOTH, marks=pytest.mark.slow),  # the probe's compile and runs
     ("first-step", [], BOTH),  # the first step's compilation
 ], ids=["import", "tokenizer-training", "tokenizing", "peak-flops", "first-step"])
 def test_a_signal_during_start_up_is_one_line_and_leaves_nothing(tiny_overrides, tmp_path, point,

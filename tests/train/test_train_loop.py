@@ -209,7 +209,8 @@ def test_overflowing_parameters_stop_the_run_before_they_are_saved(tiny_override
     checkpointer.close()
 
 
-@pytest.mark.parametrize("damage", ["garbage", "empty manifest"])
+@pytest.mark.parametrize("damage", [  # ~14 s each
+    "garbage", pytest.param("empty manifest", marks=pytest.mark.slow)])
 def test_corrupt_checkpoint_is_reported_with_its_path(tiny_overrides, tmp_path, damage):
     """In one message: without orbax's leftover callbacks into its closed event loop, which
     Python printed as dozens of tracebacks around it."""
