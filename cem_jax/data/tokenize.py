@@ -24,6 +24,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 from collections.abc import Callable
@@ -55,12 +56,13 @@ def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
     parts are not). A finished dataset is returned as it is.
 
     workers: processes (default: one per core, at most one per unit); threads: tokenizer
-    threads of a single worker (default: every core). progress: called with the bytes of each
-    unit finished. check: a stop check, called before each document (one worker) or every
-    fraction of a second (several: they are then interrupted); what it raises ends the
-    tokenization, the finished units kept and nothing of the others. Raises DatasetError when
-    `root` holds another dataset, ValueError naming the file when a document cannot be read,
-    and when the whole source holds no text.
+    threads of a single worker (default: every core; a tokenizer.json takes 1, one text at a
+    time, or else its library's own pool: every core, or `RAYON_NUM_THREADS`). progress:
+    called with the bytes of each unit finished. check: a stop check, called before each
+    document (one worker) or every fraction of a second (several: they are then
+    interrupted); what it raises ends the tokenization, the finished units kept and nothing
+    of the others. Raises DatasetError when `root` holds another dataset, ValueError naming
+    the file when a document cannot be read, and when the whole source holds no text.
     """
     identity = dataset_identity(source, tokenizer, held_out_fraction)
     try:
@@ -139,6 +141,13 @@ def _next_result(results, procs: list, check: Callable[[], None] | None) -> tupl
                 raise RuntimeError(f"a tokenization worker died (exit code {dead[0]}): the "
                                    f"finished units are kept; run the same command again"
                                    ) from None
+            if all(p.exitcode is not None for p in procs):  # all gone, a result unsaid
+                try:
+                    return results.get(timeout=1)
+                except queue.Empty:
+                    raise RuntimeError("the tokenization workers ended with units left: the "
+                                       "finished units are kept; run the same command again"
+                                       ) from None
 
 
 def _worker(job: Callable, units: list[Unit], results) -> None:
@@ -149,7 +158,11 @@ def _worker(job: Callable, units: list[Unit], results) -> None:
             results.put(("done", unit.size))
     except KeyboardInterrupt:  # the parent's stop: nothing of this unit is left
         pass
-    except Exception as err:  # raised in the parent
+    except Exception as err:  # raised in the parent: as itself when it can be sent
+        try:
+            pickle.dumps(err)
+        except Exception:
+            err = RuntimeError(f"{type(err).__name__}: {err}")
         results.put(("error", err))
 
 

@@ -5,6 +5,7 @@ finished unit; a damaged shard is named; `cem-data verify` checks every checksum
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import os
 
@@ -15,9 +16,11 @@ import pytest
 
 from cem_jax.data import (
     DataConfig,
+    build_tokenizer,
     files,
     formats,
     load_tokenizer,
+    load_tokens,
     make_train_iterator,
     shards,
     sources,
@@ -158,6 +161,9 @@ def test_units_gather_files_up_to_a_size_and_cut_a_large_parquet_file(tmp_path, 
                             ("",) * 7)
     assert [(u.first, u.last, u.size) for u in source.units()] == [
         (0, 2, 10), (3, 3, 20), (4, 6, 8)]
+    source = sources.Source("x", "text", tuple("abc"), (5, 20, 3), ("",) * 3)
+    assert [(u.first, u.last, u.size) for u in source.units()] == [  # the large file is alone
+        (0, 0, 5), (1, 1, 20), (2, 2, 3)]
     path = tmp_path / "big.parquet"
     pq.write_table(pa.table({"text": ["x" * 40] * 10}), path, row_group_size=2)
     group = formats.row_groups(str(path))[0].size  # each of the 5 row groups alike
@@ -167,6 +173,10 @@ def test_units_gather_files_up_to_a_size_and_cut_a_large_parquet_file(tmp_path, 
     units = source.units()
     assert [(u.part.start, u.part.stop) for u in units] == [(0, 2), (2, 4), (4, 5)]
     assert [d.name for d in source.documents(units[2])] == [f"{path}[8]", f"{path}[9]"]
+    (tmp_path / "a.txt").write_text("small")
+    source = sources.user_source(str(tmp_path / "*"))  # a.txt, then big.parquet
+    assert [(u.first, u.part and (u.part.start, u.part.stop)) for u in source.units()] == [
+        (0, None), (1, (0, 2)), (1, (2, 4)), (1, (4, 5))]
 
 
 def test_a_stream_limited_to_whole_documents_ends_with_eos(corpus, tmp_path,
@@ -183,7 +193,7 @@ def test_a_stream_limited_to_whole_documents_ends_with_eos(corpus, tmp_path,
 
 
 def test_a_corpus_and_a_cache_on_gs_give_the_local_batches(tmp_path, gcs_bucket,
-                                                          small_tokenizer_path):
+                                                          small_tokenizer_path, monkeypatch):
     """A .jsonl.gz corpus and the tokenizer read from gs://, tokenized into a cache on gs://:
     the same batches as the same files on the local disk."""
     lines = "".join(f'{{"text": "{doc.strip()}"}}\n' for doc in make_documents(8, 5))
@@ -205,3 +215,23 @@ def test_a_corpus_and_a_cache_on_gs_give_the_local_batches(tmp_path, gcs_bucket,
     for got, want in zip(first_batches(remote), first_batches(local), strict=True):
         np.testing.assert_array_equal(got, want)
     assert len(files.glob(f"{gcs_bucket}/cache/tokens/*/manifest.json")) == 1
+    monkeypatch.chdir(tmp_path)  # a tokenizer trained for a cache on gs:// goes there, not to ./gs:
+    trained = build_tokenizer(dataclasses.replace(remote, tokenizer=None, vocab_size=290))
+    [cached] = files.glob(f"{gcs_bucket}/cache/tokenizers/*.model")
+    assert load_tokenizer(cached).sha256 == trained.sha256 and not (tmp_path / "gs:").exists()
+
+
+@pytest.mark.parametrize("documents, fraction, said", [
+    (1, 0.49, "data.val_fraction = 0.49 held out every one of the 1 documents"),
+    (2, 0.0001, "data.val_fraction = 0.0001 held out none of the 2 documents")])
+def test_a_fraction_that_holds_out_all_or_nothing_is_said(tmp_path, small_tokenizer_path,
+                                                          documents, fraction, said):
+    """The hash of (unit 0, document i) holds out document 0 at 0.49, and neither of 2 at
+    0.0001: the split that is then empty is one line saying which setting to change."""
+    (tmp_path / "c.jsonl").write_text("".join(f'{{"text": "document {i}"}}\n'
+                                              for i in range(documents)))
+    cfg = DataConfig(corpus=str(tmp_path / "c.jsonl"), cache_dir=str(tmp_path / "cache"),
+                     tokenizer=str(small_tokenizer_path), val_fraction=fraction)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    with pytest.raises(DatasetError, match=said):
+        load_tokens(cfg, tokenizer, "train" if documents == 1 else "validation")

@@ -129,7 +129,7 @@ def test_processes_that_see_other_data_or_no_shared_cache_stop_before_any_work(t
                                                                               tmp_path):
     """Each process tokenizes its share of a raw corpus only once they agree on it and share the
     cache folder it goes to: otherwise every process stops at once (status 2) naming those
-    that differ."""
+    that differ; a process whose share fails says so to the others, which stop with it."""
     (tmp_path / "other.txt").write_text("another corpus entirely " * 50)
     common = [*tiny_overrides, "run.steps=1", f"run.dir={tmp_path / 'run'}",
               f"data.cache_dir={tmp_path / 'cache'}"]
@@ -141,4 +141,9 @@ def test_processes_that_see_other_data_or_no_shared_cache_stop_before_any_work(t
                              returncodes=(2, 2))
     assert "processes [1] do not see the cache folder" in outputs[0]
     assert "Run `cem-data tokenize --out DIR` once" in outputs[0]
+    (tmp_path / "empty.txt").write_text("")  # process 0's unit fails; process 1 had none
+    outputs = _two_processes([*common, f"data.corpus={tmp_path / 'empty.txt'}"],
+                             returncodes=(2, 2))
+    assert "holds no text" in outputs[0], outputs[0]
+    assert "processes [0] could not tokenize the corpus (process 0: " in outputs[1], outputs[1]
     assert not (tmp_path / "run").exists()
