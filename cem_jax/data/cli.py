@@ -20,10 +20,12 @@ dataset: `data.corpus=DIR` (it tokenizes nothing). A tokenizer to train without 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +51,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     damaged dataset)."""
     parser = _parser()
     args = parser.parse_args(argv)
+    with _signals_stop_tokenizing() if args.command is tokenize else contextlib.nullcontext():
+        return _run(args)
+
+
+@contextlib.contextmanager
+def _signals_stop_tokenizing() -> Iterator[None]:
+    """SIGINT and SIGTERM (a preempted machine) set a flag the tokenization reads
+    (`_check_signals`) while it runs; the former handlers are put back after."""
+    _RECEIVED.clear()
+    former = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in former.items():
+            signal.signal(signum, handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(DataConfig)
                if hasattr(args, f.name)}  # only those given (their default is SUPPRESS)
     try:
@@ -63,7 +83,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"cem-data {args.command.__name__}: interrupted; finished units are kept, and "
               f"the same command resumes at the first unfinished one", file=sys.stderr)
-        return 130
+        return 128 + (_RECEIVED[0] if _RECEIVED else signal.SIGINT)
+
+
+_RECEIVED: list[int] = []  # the signals that asked a tokenization to stop
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    _RECEIVED.append(signum)
+
+
+def _check_signals() -> None:
+    """The tokenization's stop check: a SIGINT or SIGTERM received stops it (read at safe
+    points: a KeyboardInterrupt raised where the signal lands can be swallowed, in a garbage
+    collector callback for one)."""
+    if _RECEIVED:
+        raise KeyboardInterrupt
 
 
 def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
@@ -101,7 +136,7 @@ def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
               desc=f"tokenizing {source.description}", disable=None) as bar:
         manifest = tokenize_dataset(source, tokenizer, root, held_out_fraction=cfg.val_fraction,
                                     workers=args.workers, threads=args.threads,
-                                    part=args.part, progress=bar.update)
+                                    part=args.part, progress=bar.update, check=_check_signals)
     seconds = time.perf_counter() - start
     index, count = args.part
     if manifest is None:

@@ -162,6 +162,11 @@ def user_source(spec: str, *, text_column: str = "text",
         found = files.glob(pattern)
         if not found:
             raise FileNotFoundError(f"corpus pattern {pattern!r} matched no files")
+    elif files.is_dir(pattern) and files.is_dir(files.join(pattern, "units")):
+        raise FileNotFoundError(f"corpus path {pattern!r} is a tokenized dataset whose "
+                                f"tokenization has not finished (no manifest.json): run the "
+                                f"same `cem-data tokenize --out {pattern}` again (each --part "
+                                f"I/N, if it was split), then train on it")
     elif files.is_dir(pattern):
         raise FileNotFoundError(f"corpus path {pattern!r} is a directory: give a file or a "
                                 f"glob such as {files.join(pattern, '*.txt')!r}")

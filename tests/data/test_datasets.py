@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import os
+import signal
 
 import numpy as np
 import pyarrow as pa
@@ -235,3 +236,30 @@ def test_a_fraction_that_holds_out_all_or_nothing_is_said(tmp_path, small_tokeni
     tokenizer = load_tokenizer(cfg.tokenizer)
     with pytest.raises(DatasetError, match=said):
         load_tokens(cfg, tokenizer, "train" if documents == 1 else "validation")
+
+
+def test_sigterm_stops_cem_data_tokenize_as_ctrl_c_does(corpus, tmp_path, small_tokenizer_path,
+                                                       monkeypatch, capsys):
+    """One worker (the whole work in this process): a SIGTERM in the middle of unit 1 stops the
+    command at the next document (status 128 + 15), unit 0 kept; a rerun finishes it."""
+    read = sources.Source.documents
+
+    def signalled(self, unit=None):
+        for i, doc in enumerate(read(self, unit)):
+            if unit is not None and unit.index == 1 and i == 0 and not stopped:
+                stopped.append(os.kill(os.getpid(), signal.SIGTERM))
+            yield doc
+
+    stopped: list = []
+    monkeypatch.setattr(sources.Source, "documents", signalled)
+    root = tmp_path / "ds"
+    args = ["tokenize", "--workers", "1", "--out", str(root), f"data.corpus={corpus}/*.txt",
+            f"data.tokenizer={small_tokenizer_path}"]
+    assert data_main(args) == 128 + signal.SIGTERM
+    assert "interrupted; finished units are kept" in capsys.readouterr().err
+    assert sorted(os.listdir(root / "units")) == ["00000.json"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+    with pytest.raises(FileNotFoundError, match="is a tokenized dataset whose tokenization has "
+                       "not finished"):
+        sources.user_source(str(root))
+    assert data_main(args) == 0 and (root / "manifest.json").is_file()
