@@ -59,17 +59,17 @@ from pathlib import Path
 
 import numpy as np
 
+from cem_jax import exits
 from cem_jax.compare_report import Report, figure_names, figure_path, step_flops
 from cem_jax.data import make_eval_batches
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run, positive_int
 from cem_jax.monitor import descent_statistics, preconditioner_stats
 from cem_jax.rundir import Run, load_run
-from cem_jax.train import exits
 from cem_jax.train.config import TrainConfig, load_config
 from cem_jax.train.metrics import logged_records, logged_values
 
 BUDGETS = ("steps", "flops")
-# How a row's note words cem-train's exit status (`cem_jax.train.exits.ExitStatus`).
+# How a row's note words cem-train's exit status (`cem_jax.exits.ExitStatus`).
 _STATUS_WORDS = {1: "crashed", 2: "cannot run as configured", 3: "diverged",
                  75: "stopped by a signal: run cem-compare again to resume it"}
 
@@ -309,7 +309,7 @@ def train_one(spec: RunSpec) -> dict:
 
 def train_process(argv: list[str], log) -> int:
     """Run `python -m cem_jax.train ARGV` with its output in the file `log`; returns its exit
-    status (`cem_jax.train.exits.ExitStatus`, or -N for a kill by signal N). It runs in its own
+    status (`cem_jax.exits.ExitStatus`, or -N for a kill by signal N). It runs in its own
     session, and a SIGINT or SIGTERM that cem-compare receives meanwhile is passed on to it (a
     Ctrl-C in the terminal reaches it once: it stops at a safe point and saves)."""
     child = subprocess.Popen([sys.executable, "-m", "cem_jax.train", *argv], stdout=log,

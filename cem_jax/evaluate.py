@@ -79,7 +79,7 @@ def evaluate(params: dict, model_cfg: ModelConfig, data_cfg: DataConfig, tokeniz
     `max_batches` batches: then "bits_per_byte_est" (the whole split's bytes per token) in
     place of "bits_per_byte". `eval_step`: a compiled `make_eval_step` to reuse; `progress`: a
     description to show a progress bar with; `check`: called before each batch (a stop check:
-    what it raises ends the evaluation, e.g. `cem_jax.train.exits.check`). Every process calls
+    what it raises ends the evaluation, e.g. `cem_jax.exits.check`). Every process calls
     it (batches are split across processes); each gets the same figures. Raises as
     `make_eval_batches`, and what `check` raises."""
     batches = make_eval_batches(data_cfg, tokenizer, split)

@@ -20,17 +20,17 @@ dataset: `data.corpus=DIR` (it tokenizes nothing). A tokenizer to train without 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from cem_jax import exits
 from cem_jax.config import ModelConfig, load_section
 from cem_jax.data import shakespeare, shards
 from cem_jax.data.config import DataConfig, with_vocab_size
@@ -51,21 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     damaged dataset)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    with _signals_stop_tokenizing() if args.command is tokenize else contextlib.nullcontext():
+    if args.command is not tokenize:
         return _run(args)
-
-
-@contextlib.contextmanager
-def _signals_stop_tokenizing() -> Iterator[None]:
-    """SIGINT and SIGTERM (a preempted machine) set a flag the tokenization reads
-    (`_check_signals`) while it runs; the former handlers are put back after."""
-    _RECEIVED.clear()
-    former = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in former.items():
-            signal.signal(signum, handler)
+    with exits.caught():  # SIGINT and SIGTERM (a preempted machine) stop it at a safe point
+        return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -80,25 +69,10 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, shakespeare.FetchError) as err:
         print(f"cem-data {args.command.__name__}: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, exits.StoppedBySignal):
         print(f"cem-data {args.command.__name__}: interrupted; finished units are kept, and "
               f"the same command resumes at the first unfinished one", file=sys.stderr)
-        return 128 + (_RECEIVED[0] if _RECEIVED else signal.SIGINT)
-
-
-_RECEIVED: list[int] = []  # the signals that asked a tokenization to stop
-
-
-def _on_signal(signum: int, frame: object) -> None:
-    _RECEIVED.append(signum)
-
-
-def _check_signals() -> None:
-    """The tokenization's stop check: a SIGINT or SIGTERM received stops it (read at safe
-    points: a KeyboardInterrupt raised where the signal lands can be swallowed, in a garbage
-    collector callback for one)."""
-    if _RECEIVED:
-        raise KeyboardInterrupt
+        return 128 + (exits.received() or signal.SIGINT)
 
 
 def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
@@ -120,13 +94,13 @@ def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
     """Tokenize the corpus once into a dataset (--out DIR, or the cache as cem-train would)."""
     save = [Path(args.save_tokenizer)] if args.save_tokenizer else []
     _refuse_existing(save)  # before a tokenizer is trained
-    tokenizer = build_tokenizer(cfg)
+    tokenizer = build_tokenizer(cfg, check=exits.check)
     if save:
         _refuse_existing(tokenizer.saved_paths(save[0]))  # a tokenizer_config.json beside
         print(f"tokenizer saved to {tokenizer.save(save[0])}")
     if args.out is None and args.part == (0, 1):
         start = time.perf_counter()
-        _print_counts(cfg, tokenizer)  # each split tokenized as cem-train would
+        _print_counts(cfg, tokenizer, exits.check)  # each split tokenized as cem-train would
         print(f"({time.perf_counter() - start:.1f} s)")
         return
     source = source_of(cfg, "train")
@@ -136,7 +110,7 @@ def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
               desc=f"tokenizing {source.description}", disable=None) as bar:
         manifest = tokenize_dataset(source, tokenizer, root, held_out_fraction=cfg.val_fraction,
                                     workers=args.workers, threads=args.threads,
-                                    part=args.part, progress=bar.update, check=_check_signals)
+                                    part=args.part, progress=bar.update, check=exits.check)
     seconds = time.perf_counter() - start
     index, count = args.part
     if manifest is None:
@@ -186,7 +160,8 @@ def inspect(cfg: DataConfig, args: argparse.Namespace) -> None:
         _print_row(tokenizer, batch["inputs"][row], batch["segment_ids"][row])
 
 
-def _print_counts(cfg: DataConfig, tokenizer: Tokenizer) -> None:
+def _print_counts(cfg: DataConfig, tokenizer: Tokenizer,
+                  check: Callable[[], None] | None = None) -> None:
     print(f"tokenizer: {tokenizer.kind}, vocab {tokenizer.vocab_size}, SHA-256 "
           f"{tokenizer.sha256[:16]}…, pad {tokenizer.pad_id}, unk {tokenizer.unk_id}, "
           f"bos {tokenizer.bos_id}, eos {tokenizer.eos_id}")
@@ -197,7 +172,7 @@ def _print_counts(cfg: DataConfig, tokenizer: Tokenizer) -> None:
         if split == "validation" and not cfg.has_validation:
             print(f"{split:<11}(none: set data.val_corpus or data.val_fraction)")
             continue
-        data = load_tokens(cfg, tokenizer, split)
+        data = load_tokens(cfg, tokenizer, split, check)
         s = data.stats
         print(f"{split:<11}{s.documents:>10,}{s.bytes:>14,}{s.tokens:>12,}"
               f"{s.bytes_per_token:>13.3f}  {data.description}")

@@ -2,7 +2,7 @@
 metrics, and the `cem-train` loop (see `cem_jax.train.loop`).
 
 The names below are imported when first used (they import JAX), so that `cem-train` (`main`)
-catches SIGINT and SIGTERM before JAX loads (`cem_jax.train.exits`)."""
+catches SIGINT and SIGTERM before JAX loads (`cem_jax.exits`)."""
 
 import importlib
 
@@ -14,9 +14,9 @@ __all__ = ["TrainConfig", "TrainingDiverged", "load_config", "main", "train"]
 
 def main(argv=None) -> int:
     """`cem-train` (`cem_jax.train.run.main`); returns its exit status
-    (`cem_jax.train.exits.ExitStatus`). SIGINT and SIGTERM are caught from the start: one that
+    (`cem_jax.exits.ExitStatus`). SIGINT and SIGTERM are caught from the start: one that
     comes while JAX is imported stops it right after the imports."""
-    from cem_jax.train import exits
+    from cem_jax import exits
 
     with exits.caught("cem-train"):
         from cem_jax.train.run import main as train_main

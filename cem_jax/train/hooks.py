@@ -21,9 +21,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from cem_jax import exits
 from cem_jax.evaluate import describe
-from cem_jax.train import exits
-from cem_jax.train.exits import StoppedBySignal
+from cem_jax.exits import StoppedBySignal
 from cem_jax.train.loop import StepInfo
 from cem_jax.train.metrics import MetricsWriter
 
@@ -141,7 +141,7 @@ class DebugSignal:
 
 class StopOnSignal:
     """Stop the run after a step, every process at the same one, on SIGINT or SIGTERM (a state
-    hook, every step; `cem_jax.train.exits` catches the signals, and a second SIGINT leaves at
+    hook, every step; `cem_jax.exits` catches the signals, and a second SIGINT leaves at
     once, without a final checkpoint). A stop due at the first step after `first_step` (the
     signal came while that step was dispatched: mostly its compilation) drops the step: raises
     StoppedBySignal, and nothing is saved.

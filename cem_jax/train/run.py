@@ -9,7 +9,7 @@ A run directory holds config.yaml (resolved), its tokenizer (tokenizer.model, or
 and tokenizer_config.json), metrics.jsonl, tensorboard/ and checkpoints/. Starting in one that
 has a checkpoint resumes from the latest (same model and data sections required); in a finished
 one, it reports the validation the run logged and trains, evaluates and logs nothing. It ends
-with one of the exit statuses of `cem_jax.train.exits.ExitStatus` and one line saying why (a
+with one of the exit statuses of `cem_jax.exits.ExitStatus` and one line saying why (a
 crash: its traceback, then the line): 0 finished, 1 crashed (retry), 2 cannot run as
 configured, 3 diverged, 75 stopped by SIGTERM or SIGINT before its last step (relaunch to
 resume). A signal stops it at a safe point: during start-up with nothing written (a run
@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from cem_jax import exits
 from cem_jax.config import NOT_IN_MATH
 from cem_jax.data import (
     DataConfig,
@@ -63,11 +64,12 @@ from cem_jax.data.pipeline import no_validation
 from cem_jax.data.shakespeare import FetchError
 from cem_jax.data.tokenizer import FILE_NAMES, find_tokenizer
 from cem_jax.evaluate import describe, evaluate
+from cem_jax.exits import ExitStatus, StoppedBySignal
 from cem_jax.export.output import unmark_output
 from cem_jax.memory import is_out_of_memory
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
-from cem_jax.train import exits, hooks
+from cem_jax.train import hooks
 from cem_jax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -76,7 +78,6 @@ from cem_jax.train.checkpoint import (
 )
 from cem_jax.train.config import TrainConfig, load_config, save_config
 from cem_jax.train.dry_run import check_expected_params, check_fits_in_memory, dry_run
-from cem_jax.train.exits import ExitStatus, StoppedBySignal
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
 from cem_jax.train.metrics import (
     MetricsWriter,
@@ -199,7 +200,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "eval":
     `cem_jax.evaluate.evaluate`'s figures (empty without a validation split), "sample"}.
 
-    SIGINT and SIGTERM stop it at a safe point (`cem_jax.train.exits`): raises StoppedBySignal,
+    SIGINT and SIGTERM stop it at a safe point (`cem_jax.exits`): raises StoppedBySignal,
     saying where it stopped and what is saved. Raises TrainingDiverged, CheckpointError,
     RunDirInUse (another cem-train holds the directory), ValueError (config/run dir mismatch,
     run.dir a file), FileNotFoundError (a resumed run dir without its tokenizer), OSError (an
@@ -435,7 +436,7 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
               first: int, closing: contextlib.ExitStack) -> TrainLoop:
     """cem-train's step loop from step `first` to `run.steps`, with its hooks
     (`cem_jax.train.hooks`); `closing` gets what must be closed after it (the bar, and the
-    signal handlers of `cem_jax.train.exits` unless the caller has them already). Also what
+    signal handlers of `cem_jax.exits` unless the caller has them already). Also what
     `benchmarks/loop.py` times."""
     run = cfg.run
     flops = flops_per_token(cfg.model, cfg.data.seq_len)

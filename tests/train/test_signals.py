@@ -11,7 +11,7 @@ import signal
 import pytest
 from train_helpers import run_cli, signal_at
 
-from cem_jax.train import exits
+from cem_jax import exits
 
 STOPPED = ("cem-train: stopped by a signal (SIGINT) before the first step; nothing was trained "
            "(exit status 75)")

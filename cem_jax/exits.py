@@ -30,6 +30,9 @@ where the signals were ignored (a trainer started in the background of a script 
 too). On several processes with JAX's preemption service, SIGTERM is the service's from
 `jax.distributed.initialize` on (`StopOnSignal`).
 
+`cem-data tokenize` reads the same flag (`caught()`, `check()` before each document it
+tokenizes) and exits with 128 + the signal, its finished units kept.
+
 This module imports no JAX (`cem_jax.train.main` installs the handlers before JAX loads).
 """
 
