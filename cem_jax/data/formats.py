@@ -218,11 +218,13 @@ def _damaged(path: str, what: str, err: object) -> ValueError:
     return ValueError(f"{path} is truncated or damaged ({what}: {reason}): download it again")
 
 
-def _head(f: IO[bytes]) -> bytes:
-    """The first SNIFF_BYTES of seekable file `f`, which is left at its start."""
+def _check_head(f: IO[bytes], path: str, allowed: set[str], wanted: str) -> None:
+    """Raise `_refusal` (not `wanted`) unless the first SNIFF_BYTES of seekable file `f`, of
+    `path`, sniff as one of `allowed`; `f` is left at its start."""
     head = f.read(SNIFF_BYTES)
     f.seek(0)
-    return head
+    if sniff(head) not in allowed:
+        raise _refusal(path, head, wanted)
 
 
 # -- text and JSONL: (de)compressed streams ------------------------------------------------------
@@ -233,9 +235,8 @@ def _decompressed(path: str, fmt: str) -> Iterator[io.BufferedReader]:
     after checking that its start is what its name says. Raises ValueError."""
     compression = compression_of(path)
     with files.open_file(path) as raw:
-        head = _head(raw)
-        if sniff(head) not in ({compression} if compression else {"text", "empty"}):
-            raise _refusal(path, head, compression or fmt)
+        _check_head(raw, path, {compression} if compression else {"text", "empty"},
+                    compression or fmt)
         chunks = (_gzip_chunks(raw, path) if compression == "gzip" else
                   _zstd_chunks(raw, path) if compression == "zstd" else
                   iter(functools.partial(raw.read, CHUNK_BYTES), b""))
@@ -351,9 +352,7 @@ def _parquet(path: str) -> Iterator[pq.ParquetFile]:
         raise ValueError(f"{path}: a Parquet file is not compressed as a whole (its pages are): "
                          f"decompress it and give it a .parquet name")
     with files.open_file(path) as f:
-        head = _head(f)
-        if sniff(head) != "parquet":
-            raise _refusal(path, head, "parquet")
+        _check_head(f, path, {"parquet"}, "parquet")
         try:
             parquet_file = pq.ParquetFile(f)
         except Exception as err:
@@ -430,9 +429,7 @@ def _check_arrayrecord(path: str) -> None:
         raise ValueError(f"{path}: ArrayRecord files are read from local paths and gs:// only: "
                          f"copy it locally or convert it to Parquet or JSONL")
     with files.open_file(path) as f:
-        head = _head(f)
-    if sniff(head) != "arrayrecord":
-        raise _refusal(path, head, "arrayrecord")
+        _check_head(f, path, {"arrayrecord"}, "arrayrecord")
 
 
 def _arrayrecord_documents(path: str, allow_invalid_utf8: bool) -> Iterator[Document]:

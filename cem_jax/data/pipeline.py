@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import itertools
-import json
 import math
 import posixpath
 import warnings
@@ -57,7 +55,7 @@ from cem_jax.data import files, shakespeare, shards
 from cem_jax.data.config import DataConfig
 from cem_jax.data.formats import Document
 from cem_jax.data.shards import DatasetError, Manifest, TokenStream
-from cem_jax.data.sources import Source, builtin_source, user_source
+from cem_jax.data.sources import Source, builtin_source, digest, user_source
 from cem_jax.data.tokenize import dataset_identity, tokenize_dataset
 from cem_jax.data.tokenizer import (
     TRAINER_VERSION,
@@ -151,7 +149,7 @@ def build_tokenizer(cfg: DataConfig, model_vocab_size: int | None = None,
                          "data.vocab_size to the size of the tokenizer to train (cem-train "
                          "takes model.vocab_size), or give a tokenizer as data.tokenizer")
     source = source_of(cfg, "train")
-    key = _hash([TRAINER_VERSION, source.fingerprint(), cfg.vocab_size])
+    key = digest([TRAINER_VERSION, source.fingerprint(), cfg.vocab_size])
     path = files.join(cache_root(cfg), "tokenizers", f"bpe{cfg.vocab_size}-{key[:16]}.model")
     if files.is_file(path):
         try:
@@ -474,5 +472,3 @@ def _process(cfg: DataConfig, process_index: int | None,
     return process_index, process_count
 
 
-def _hash(identity: list) -> str:
-    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()

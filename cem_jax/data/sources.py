@@ -36,6 +36,12 @@ BUILTIN_UNIT_BYTES = 2**20  # the built-in corpus (5 MB) in units of about 1 MB 
 READING_VERSION = 2  # bump when reading or normalization changes: it invalidates datasets
 
 
+def digest(identity: list) -> str:
+    """Hex SHA-256 of `identity` (JSON values) as JSON: how sources, datasets and cached
+    tokenizers are named."""
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
+
+
 @dataclasses.dataclass(frozen=True)
 class Unit:
     """A unit of work: the files `first` … `last` of its source (works, for a built-in one),
@@ -81,9 +87,8 @@ class Source:
         else:
             identity = [[_absolute(f), size, str(version)] for f, size, version
                         in zip(self.files, self.sizes, self.versions, strict=True)]
-        blob = json.dumps([READING_VERSION, self.kind, identity, self.text_column,
-                           self.allow_invalid_utf8])
-        return hashlib.sha256(blob.encode()).hexdigest()
+        return digest([READING_VERSION, self.kind, identity, self.text_column,
+                       self.allow_invalid_utf8])
 
     def units(self) -> tuple[Unit, ...]:
         """The units of work in document order (see the module docstring). Raises ValueError

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import multiprocessing
 import os
 import pickle
@@ -32,7 +31,7 @@ from typing import Any
 
 from cem_jax.data import files, shards
 from cem_jax.data.shards import DatasetError, Manifest, Shard, ShardWriter
-from cem_jax.data.sources import Source, Unit
+from cem_jax.data.sources import Source, Unit, digest
 from cem_jax.data.tokenizer import Tokenizer, tokenizer_from_files
 
 ENCODE_BATCH_CHARS = 1 << 22  # characters handed to the tokenizer at once
@@ -41,9 +40,8 @@ ENCODE_BATCH_CHARS = 1 << 22  # characters handed to the tokenizer at once
 def dataset_identity(source: Source, tokenizer: Tokenizer, held_out_fraction: float) -> str:
     """Hex digest of what a dataset holds: the layout version, the source's fingerprint, the
     tokenizer and the held-out fraction (a cache folder is named by it)."""
-    blob = json.dumps([shards.VERSION, source.fingerprint(), tokenizer.sha256,
-                       float(held_out_fraction)])
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return digest([shards.VERSION, source.fingerprint(), tokenizer.sha256,
+                   float(held_out_fraction)])
 
 
 def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
@@ -208,8 +206,8 @@ def _held_out(unit: int, document: int, fraction: float) -> bool:
     """Whether document `document` of unit `unit` is held out (a hash below `fraction`)."""
     if fraction <= 0:
         return False
-    digest = hashlib.blake2b(f"{unit}/{document}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < fraction * 2**64
+    hashed = hashlib.blake2b(f"{unit}/{document}".encode(), digest_size=8).digest()
+    return int.from_bytes(hashed, "little") < fraction * 2**64
 
 
 def _write_manifest(root: str, source: Source, tokenizer: Tokenizer, held_out_fraction: float,
