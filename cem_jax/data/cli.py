@@ -106,11 +106,16 @@ def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
     source = source_of(cfg, "train")
     root = args.out or cache_dataset_root(cfg, source, tokenizer, cfg.val_fraction)
     start = time.perf_counter()
-    with tqdm(total=sum(u.size for u in source.units()), unit="B", unit_scale=True,
-              desc=f"tokenizing {source.description}", disable=None) as bar:
+    with tqdm(unit="B", unit_scale=True, desc=f"tokenizing {source.description}",
+              disable=None) as bar:
+
+        def shown(done: int, total: int) -> None:  # of the units left to this part
+            bar.total = total
+            bar.update(done - bar.n)
+
         manifest = tokenize_dataset(source, tokenizer, root, held_out_fraction=cfg.val_fraction,
                                     workers=args.workers, threads=args.threads,
-                                    part=args.part, progress=bar.update, check=exits.check)
+                                    part=args.part, progress=shown, check=exits.check)
     seconds = time.perf_counter() - start
     index, count = args.part
     if manifest is None:

@@ -47,7 +47,7 @@ def dataset_identity(source: Source, tokenizer: Tokenizer, held_out_fraction: fl
 def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
                      held_out_fraction: float = 0.0, workers: int | None = None,
                      threads: int | None = None, part: tuple[int, int] = (0, 1),
-                     progress: Callable[[int], None] | None = None,
+                     progress: Callable[[int, int], None] | None = None,
                      check: Callable[[], None] | None = None) -> Manifest | None:
     """Tokenize the units of `source` that are this `part`'s and not finished yet into the
     dataset folder `root`; returns its manifest once every unit is finished (None while other
@@ -56,7 +56,8 @@ def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
     workers: processes (default: one per core, at most one per unit); threads: tokenizer
     threads of a single worker (default: every core; a tokenizer.json takes 1, one text at a
     time, or else its library's own pool: every core, or `RAYON_NUM_THREADS`). progress:
-    called with the bytes of each unit finished. check: a stop check, called before each
+    called with (bytes done, bytes to do) of the units this call tokenizes, at the start and
+    after each unit. check: a stop check, called before each
     document (one worker) or every fraction of a second (several: they are then
     interrupted); what it raises ends the tokenization, the finished units kept and nothing
     of the others. Raises DatasetError when `root` holds another dataset, ValueError naming
@@ -79,14 +80,23 @@ def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
             if shards.read_unit_record(root, u.index, identity) is None]
     job = functools.partial(_tokenize_unit, root, source, tuple(tokenizer.files().items()),
                             identity, held_out_fraction)
+    total, done = sum(u.size for u in todo), 0
+
+    def finished(size: int) -> None:  # a unit of `size` bytes
+        nonlocal done
+        done += size
+        if progress:
+            progress(done, total)
+
+    if progress:
+        progress(0, total)
     workers = min(workers or os.cpu_count() or 1, max(len(todo), 1))
     if workers == 1:
         for unit in todo:
             job(unit, threads, check)
-            if progress:
-                progress(unit.size)
+            finished(unit.size)
     else:
-        _in_processes(job, todo, workers, progress, check)
+        _in_processes(job, todo, workers, finished, check)
     records = [shards.read_unit_record(root, u.index, identity) for u in units]
     if any(r is None for r in records):
         return None
@@ -94,12 +104,13 @@ def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
 
 
 def _in_processes(job: Callable, units: list[Unit], workers: int,
-                  progress: Callable[[int], None] | None,
+                  finished: Callable[[int], None],
                   check: Callable[[], None] | None) -> None:
     """`job(unit, 1, None)` for `units`, dealt round-robin to `workers` fresh processes
     (spawned: the caller may hold threads, JAX's among them, that a fork would copy
-    half-alive). A worker's error is raised here; so is what `check` raises, after the workers
-    are interrupted (SIGINT: the unit each was tokenizing leaves nothing)."""
+    half-alive), `finished` called with the bytes of each unit done. A worker's error is
+    raised here; so is what `check` raises, after the workers are interrupted (SIGINT: the
+    unit each was tokenizing leaves nothing)."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     procs = [context.Process(target=_worker, args=(job, units[i::workers], results),
@@ -111,8 +122,7 @@ def _in_processes(job: Callable, units: list[Unit], workers: int,
             kind, value = _next_result(results, procs, check)
             if kind == "error":
                 raise value
-            if progress:
-                progress(value)
+            finished(value)
     except BaseException:
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):

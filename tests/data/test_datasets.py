@@ -86,13 +86,19 @@ def test_held_out_documents_are_the_same_in_every_run_and_part(corpus, tmp_path,
     tokenizer = load_tokenizer(small_tokenizer_path)
     source = sources.user_source(str(corpus / "*.txt"))
     whole = tokenize_dataset(source, tokenizer, str(tmp_path / "whole"), held_out_fraction=0.3)
+    shown = []
     first = tokenize_dataset(source, tokenizer, str(tmp_path / "parts"), held_out_fraction=0.3,
-                             part=(0, 2))
+                             part=(0, 2), progress=lambda *p: shown.append(p))
     assert first is None  # units 1, 3 and 5 are the other part's
     assert sorted(os.listdir(tmp_path / "parts" / "units")) == [
         "00000.json", "00002.json", "00004.json"]
+    sizes = [u.size for u in source.units()]
+    part = sum(sizes[0::2])  # the progress shown is of this part's units: it ends at its total
+    assert len(shown) == 4 and shown[0] == (0, part) and shown[-1] == (part, part)
+    shown.clear()
     joined = tokenize_dataset(source, tokenizer, str(tmp_path / "parts"), held_out_fraction=0.3,
-                              part=(1, 2))
+                              part=(1, 2), progress=lambda *p: shown.append(p))
+    assert shown[0] == (0, sum(sizes[1::2])) and shown[-1] == (sum(sizes[1::2]),) * 2
     assert joined.splits == whole.splits
     held = [s.documents for s in whole.splits["held_out"]]
     kept = [s.documents for s in whole.splits["documents"]]
