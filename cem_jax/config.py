@@ -26,8 +26,9 @@ from cem_jax.updates import IMPLS
 T = TypeVar("T")
 
 # ModelConfig fields that choose how the same function is computed (a resumed run may change
-# them): the attention implementation, the closed form's query block, rematerialization.
-NOT_IN_MATH = ("impl", "attention_block", "remat")
+# them): the attention implementation, the closed form's query block, rematerialization, the
+# loss's chunk.
+NOT_IN_MATH = ("impl", "attention_block", "remat", "loss_chunks")
 
 INTERACTIONS = ("lowrank", "dplr")
 DIAGONALS = ("per_head", "shared")
@@ -72,6 +73,9 @@ class ModelConfig:
         "auto" (the fastest of these for the platform, `cem_jax.updates.attention_impl`); all
         agree, and a resumed run may change it (`NOT_IN_MATH`).
       attention_block: query block of the xla attention's causal block skipping (speed only).
+      loss_chunks: how many chunks of the sequence the loss takes the logits in (training and
+        evaluation hold [B, ⌈T / loss_chunks⌉, V] fp32 logits at once, `cem_jax.loss`; memory
+        and speed only: the loss is the same).
     """
 
     vocab_size: int = 2048
@@ -107,6 +111,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     scan_layers: bool = True
     remat: str = "none"
+    loss_chunks: int = 4
 
     def __post_init__(self):
         self.validate()
@@ -131,7 +136,8 @@ class ModelConfig:
         """Raise `ValueError` naming the first field that is out of range or inconsistent."""
         check_field_types(self)
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "steps",
-                     "preconditioner_rank", "attention_block", "rope_original_max_position"):
+                     "preconditioner_rank", "attention_block", "rope_original_max_position",
+                     "loss_chunks"):
             require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
                      getattr(self, name), "a positive integer")
         for name, allowed in (("activation", tuple(ACTIVATIONS)), ("interaction", INTERACTIONS),

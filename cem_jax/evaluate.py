@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-import optax
 from tqdm import tqdm
 
 from cem_jax.config import ModelConfig
 from cem_jax.data import DataConfig, Tokenizer, load_tokens, make_eval_batches
+from cem_jax.loss import cross_entropy
 from cem_jax.model import abstract_params, model_from_params
 from cem_jax.sharding import (
     batch_sharding,
@@ -41,14 +41,19 @@ Batch = dict[str, jax.Array]
 EvalStep = Callable[[dict, Batch], tuple[jax.Array, jax.Array]]
 
 
-def batch_logits(cfg: ModelConfig, params: dict, batch: Batch,
-                 mesh: jax.sharding.Mesh) -> jax.Array:
-    """fp32 logits [B,T,V] of int32 [B,T] `batch["inputs"]`, `positions`, `segment_ids`, traced
-    under `mesh` so that the model's activations are split over its batch axes
-    (`cem_jax.sharding.constrain`); the forward of the train and eval steps."""
+def batch_cross_entropy(cfg: ModelConfig, params: dict, batch: Batch, mesh: jax.sharding.Mesh,
+                        weights: jax.Array) -> jax.Array:
+    """Σ weights · next-token cross entropy (nats, fp32 scalar) of int32 [B,T]
+    `batch["targets"]` given `inputs`, `positions`, `segment_ids`; weights fp32 [B,T]. The
+    forward of the train and eval steps: traced under `mesh` so that the model's activations
+    are split over its batch axes (`cem_jax.sharding.constrain`), the logits taken in
+    `cfg.loss_chunks` chunks of the sequence (`cem_jax.loss.cross_entropy`: never the whole
+    [B,T,V])."""
     model = model_from_params(cfg, params)  # built outside the mesh: its names are logical
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return model(batch["inputs"], batch["positions"], batch["segment_ids"])
+        h = model(batch["inputs"], batch["positions"], batch["segment_ids"], hidden=True)
+        return cross_entropy(h, model.output_head(), batch["targets"], weights,
+                             cfg.loss_chunks)
 
 
 def make_eval_step(cfg: ModelConfig, mesh: jax.sharding.Mesh,
@@ -62,9 +67,8 @@ def make_eval_step(cfg: ModelConfig, mesh: jax.sharding.Mesh,
                                                "weights")}
 
     def step(params, batch):
-        logits = batch_logits(cfg, params, batch, mesh)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        return jnp.sum(ce * batch["weights"]), jnp.sum(batch["weights"])
+        return (batch_cross_entropy(cfg, params, batch, mesh, batch["weights"]),
+                jnp.sum(batch["weights"]))
 
     return jax.jit(step, in_shardings=(params_sharding, batch), out_shardings=replicated(mesh))
 
@@ -178,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "not changed)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    from cem_jax.compilation_cache import use_compilation_cache
     from cem_jax.data import FetchError
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
     from cem_jax.train.checkpoint import CheckpointError
@@ -185,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_checkpoint_logs()
     try:
         run = load_run(args.run, args.step)
+        use_compilation_cache(run.config.run.compilation_cache,
+                              run.config.run.compilation_cache_dir, run.config.data)
         result = evaluate_run(run, args.text, args.corpus, progress=not args.no_progress,
                               allow_invalid_utf8=args.allow_invalid_utf8, steps=args.steps)
     except (FileNotFoundError, CheckpointError, FetchError, ValueError) as err:

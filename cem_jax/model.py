@@ -52,8 +52,10 @@ class CEMTransformer(nnx.Module):
 
     def __call__(self, tokens: Array, positions: Array | None = None,
                  segment_ids: Array | None = None, *, cache: Cache | None = None,
-                 return_energies: bool = False):
-        """tokens int [B,T] → logits fp32 [B,T,V] (one forward for training and decoding).
+                 return_energies: bool = False, hidden: bool = False):
+        """tokens int [B,T] → logits fp32 [B,T,V] (one forward for training and decoding);
+        with `hidden`, the final norm's output h [B,T,D] in `cfg.dtype` instead (logits =
+        h · `output_head()`; the loss takes them in chunks, `cem_jax.loss`).
 
         positions int [B,T] (RoPE positions; default 0..T-1), segment_ids int [B,T] (packed
         documents: attention stays inside a document). With `return_energies`, also returns
@@ -71,7 +73,7 @@ class CEMTransformer(nnx.Module):
         """
         cfg = self.cfg
         if cache is not None:
-            _check_cache(cache, tokens.shape[1], segment_ids, return_energies)
+            _check_cache(cache, tokens.shape[1], segment_ids, return_energies or hidden)
         # Under a mesh the residual stream [B,T,D] is pinned to "batch" after the embedding and
         # after every block, and so are the logits [B,T,V] (V split like the head's "vocab"):
         # weights sharded over "fsdp" get gathered, while each device computes its own rows.
@@ -108,22 +110,31 @@ class CEMTransformer(nnx.Module):
             if layers is not None:
                 layers = jax.tree.map(lambda *a: jnp.stack(a), *written)
         h = rms_norm(x, self.final_norm.scale[...], cfg.norm_eps)
-        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = dense(h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+        if hidden:
+            return h
+        logits = dense(h, self.output_head(), preferred_element_type=jnp.float32)
         logits = constrain(logits, "batch", "length", "vocab")
         if cache is not None:
             return logits, Cache(layers, cache.length + tokens.shape[1])
         return (logits, energies) if return_energies else logits
 
+    def output_head(self) -> Array:
+        """The output head [D,V] in `cfg.dtype` (the embedding transposed when
+        `tie_embeddings`): logits = h · head."""
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        return head.astype(self.cfg.dtype)
+
 
 def _check_cache(cache: Cache, new: int, segment_ids, return_energies: bool) -> None:
-    """Raise ValueError for a forward a cache cannot serve: segment ids or energies asked for,
+    """Raise ValueError for a forward a cache cannot serve: segment ids, energies or hidden
+    states asked for,
     or more tokens than its slots hold (checked where the filled length is known: outside jit;
     under jit, size the cache for every token, as `cem_jax.sample.generate` does)."""
     if segment_ids is not None or return_energies:
         raise ValueError("with a decode cache, positions mark the documents (segment_ids "
-                         "must be None) and energies are not computed (return_energies must "
-                         "be False): run the whole sequence without a cache instead")
+                         "must be None) and only logits are computed (return_energies and "
+                         "hidden must be False): run the whole sequence without a cache "
+                         "instead")
     slots = cache.layers.key.shape[-2]
     try:
         filled = int(jnp.max(cache.length))

@@ -35,7 +35,7 @@ from cem_jax.export.safetensors_io import WEIGHTS, write_weights
 TEMPLATE_FILES = ("configuration_cem.py", "modeling_cem.py")
 # ModelConfig fields that choose an implementation or a layout, not the function computed.
 IMPLEMENTATION_FIELDS = ("impl", "attention_block", "dtype", "param_dtype", "scan_layers",
-                         "remat")
+                         "remat", "loss_chunks")
 
 
 def files(tokenizer_file: str) -> tuple[str, ...]:

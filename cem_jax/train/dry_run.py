@@ -43,6 +43,7 @@ from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
 
 from cem_jax.config import ModelConfig
+from cem_jax.loss import chunk_length
 from cem_jax.memory import check_fits
 from cem_jax.model import CEMTransformer, count_params
 from cem_jax.sharding import (
@@ -342,8 +343,10 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
         if cfg.model.remat == "none" else ""
     echo(f"activations per device, ESTIMATE (analytic, not measured){bound}: "
          f"{act['total'] / GIB:.2f} GiB = block inputs kept for the backward "
-         f"{act['block_inputs'] / GIB:.2f} GiB + fp32 logits and their gradient "
-         f"{act['logits'] / GIB:.2f} GiB; one block's recomputed intermediates come on top, "
+         f"{act['block_inputs'] / GIB:.2f} GiB + the loss (fp32 logits of "
+         f"{chunk_length(cfg.data.seq_len, cfg.model.loss_chunks)} positions at a time and their "
+         f"gradient, the gradients of the hidden states and the head) "
+         f"{act['loss'] / GIB:.2f} GiB; one block's recomputed intermediates come on top, "
          f"and the real peak is the target compiler's (fusion, buffer assignment), which only "
          f"a compile on the target gives")
     need = 2 * state_bytes["params"] + state_bytes["opt_state"] + act["total"]
@@ -377,19 +380,24 @@ def activation_estimate(m: ModelConfig, mesh, rows: int, seq_len: int) -> dict[s
     """Analytic activation bytes per device of a train step on `mesh` (a `Mesh` or
     `AbstractMesh`) for micro-batches of `rows` rows (all devices together) of `seq_len`
     tokens: {"block_inputs": L x the residual stream [B,T,D] in m.dtype (what each block keeps
-    for its backward; all a remat="full" block keeps), "logits": 2 x the fp32 logits [B,T,V]
-    (they and their gradient), "total"}, each split as the model pins it
-    (`cem_jax.sharding.constrain`: B over "batch", V over "vocab"). An estimate, not a
-    measurement: it leaves out one block's recomputed intermediates, and fusion decides the
-    rest."""
+    for its backward; all a remat="full" block keeps), "loss": what the chunked cross entropy
+    holds (`cem_jax.loss`): one chunk's fp32 logits [B,c,V] (c = ⌈T / loss_chunks⌉) and their
+    gradient, the gradient of the hidden states [B,T,D] in m.dtype and the head's fp32 [D,V],
+    "total"}, each
+    split as the model pins it (`cem_jax.sharding.constrain`: B over "batch", V over "vocab",
+    D of the head over "embed"). An estimate, not a measurement: it leaves out one block's
+    recomputed intermediates, and fusion decides the rest."""
     def local(logical, shape):  # elements of one device's shard
         spec = logical_to_mesh(logical, shape, mesh.shape)
         return math.prod(NamedSharding(mesh, spec).shard_shape(shape))
 
+    itemsize = jnp.dtype(m.dtype).itemsize
     residual = local(("batch", "length", None), (rows, seq_len, m.d_model))
-    block_inputs = m.num_layers * residual * jnp.dtype(m.dtype).itemsize
-    logits = 2 * local(("batch", "length", "vocab"), (rows, seq_len, m.vocab_size)) * 4
-    return {"block_inputs": block_inputs, "logits": logits, "total": block_inputs + logits}
+    block_inputs = m.num_layers * residual * itemsize
+    chunk = chunk_length(seq_len, m.loss_chunks)
+    loss = (2 * local(("batch", "length", "vocab"), (rows, chunk, m.vocab_size)) * 4
+            + residual * itemsize + local(("embed", "vocab"), (m.d_model, m.vocab_size)) * 4)
+    return {"block_inputs": block_inputs, "loss": loss, "total": block_inputs + loss}
 
 
 def custom_calls(module) -> dict[str, dict[str, Any]]:

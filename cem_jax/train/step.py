@@ -9,10 +9,11 @@ mesh shardings and the jitted steps:
     state, metrics = trainer.train_step(state, batch)   # state donated
     loss_sum, weight_sum = trainer.eval_step(state["params"], batch)   # `cem_jax.evaluate`'s
 
-The model runs under the mesh (`cem_jax.evaluate.batch_logits`), so its activations stay split
-over the batch axes whatever the parameters' sharding (`cem_jax.sharding.constrain`).
+The model runs under the mesh (`cem_jax.evaluate.batch_cross_entropy`), so its activations stay
+split over the batch axes whatever the parameters' sharding (`cem_jax.sharding.constrain`).
 
-Loss: mean next-token cross entropy in nats (fp32 logits). With `accumulation_steps` A, the
+Loss: mean next-token cross entropy in nats (fp32 logits, taken with their gradient in
+`model.loss_chunks` chunks of the sequence: `cem_jax.loss`). With `accumulation_steps` A, the
 batch [B,T] is dealt into A micro-batches [B/A,T] (rows a, a+A, a+2A, ..., so every device holds
 part of each) and `lax.scan` sums their gradients: the step equals one on the whole batch.
 """
@@ -28,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cem_jax.config import ModelConfig
-from cem_jax.evaluate import batch_logits, make_eval_step
+from cem_jax.evaluate import batch_cross_entropy, make_eval_step
 from cem_jax.model import CEMTransformer, abstract_params
 from cem_jax.sharding import BATCH_AXES, batch_sharding, param_shardings, replicated
 from cem_jax.train.config import OptimizerConfig
@@ -75,6 +76,19 @@ class Trainer:
 
         return jax.jit(create, out_shardings=self.state_shardings)()
 
+    def init_from_params(self, params: dict) -> dict[str, Any]:
+        """A train state at step 0 holding `params` (host arrays of this model's pure dict, as
+        `cem_jax.rundir.load_run` gives them; every process passes the whole of them) with a
+        fresh optimizer state, created sharded."""
+        placed = jax.tree.map(lambda x, s: jax.make_array_from_callback(
+            x.shape, s, lambda index, x=x: x[index]), params, self.state_shardings["params"])
+
+        def create(params):
+            return {"params": params, "opt_state": self.optimizer.init(params),
+                    "step": jnp.zeros((), jnp.int32)}
+
+        return jax.jit(create, out_shardings=self.state_shardings)(placed)
+
     def abstract_state(self) -> dict[str, Any]:
         """`jax.ShapeDtypeStruct`s of the train state carrying this mesh's shardings (the
         target of a checkpoint restore, whatever mesh wrote it)."""
@@ -85,8 +99,8 @@ class Trainer:
     def loss(self, params: dict, batch: Batch) -> jax.Array:
         """Mean cross entropy (nats, fp32 scalar) of int32 [B,T] `batch["targets"]` given
         `inputs`, `positions`, `segment_ids`."""
-        logits = batch_logits(self.model_cfg, params, batch, self.mesh)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        ones = jnp.ones(batch["targets"].shape, jnp.float32)
+        return batch_cross_entropy(self.model_cfg, params, batch, self.mesh, ones) / ones.size
 
     def _train_step(self, state: dict, batch: Batch):
         params, A = state["params"], self.accumulation

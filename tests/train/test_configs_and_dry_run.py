@@ -114,11 +114,13 @@ def test_dry_run_with_a_wrong_count_exits_2_naming_both(capsys):
 
 
 def test_dry_run_flops_agree_with_xla_and_arguments_are_the_state(tmp_path):
-    """A small unscanned model (XLA counts a scan's body once): XLA's FLOPs of the compiled
-    step are the analytic count within a few percent (the analytic count leaves out norms,
-    softmax and activations), for two steps, DPLR interaction and a DPLR preconditioner."""
+    """A small unscanned model with the loss in one chunk (XLA counts a loop's body once): XLA's
+    FLOPs of the compiled step are the analytic count within a few percent (the analytic count
+    leaves out norms, softmax and activations), for two steps, DPLR interaction and a DPLR
+    preconditioner."""
     cfg = load_config(REPO / "configs" / "shakespeare_cem.yaml",
-                      ["data.batch_size=8", "model.scan_layers=false", "model.steps=2",
+                      ["data.batch_size=8", "model.scan_layers=false", "model.loss_chunks=1",
+                       "model.steps=2",
                        "model.interaction=dplr", "model.preconditioner=dplr",
                        f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"])
     lines = []

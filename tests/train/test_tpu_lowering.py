@@ -64,11 +64,16 @@ def test_100m_pallas_step_lowers_for_a_16_chip_tpu_with_fsdp():
 
 
 def test_a_step_too_big_for_the_chip_is_flagged():
-    """tpu-v5litepod-8: 16 GB chips, 64 of the 512 rows each, whose fp32 logits and their
-    gradient alone take 2 x 64 x 1024 x 32768 x 4 bytes = 16 GiB."""
-    report, lines = _lower("tpu-v5litepod-8", [])
+    """tpu-v5litepod-8: 16 GB chips, 64 of the 512 rows each. The loss in one chunk holds their
+    whole fp32 logits and gradient, 2 x 64 x 1024 x 32768 x 4 bytes = 16 GiB: flagged. In the
+    default 4 chunks it holds a quarter of that (`cem_jax.loss`), and the step fits."""
+    report, lines = _lower("tpu-v5litepod-8", ["model.loss_chunks=1"])
     assert report["memory_share_estimate"] > 1
     assert any("does NOT fit: raise mesh.fsdp" in line for line in lines)
+    chunked, lines = _lower("tpu-v5litepod-8", [])
+    saved = report["activations_estimate"] - chunked["activations_estimate"]
+    assert saved == 3 * 2 * 64 * 256 * 32768 * 4  # three of the four chunks' logits and grads
+    assert any("(fits, by this estimate)" in line for line in lines)
 
 
 def test_100m_pallas_step_lowers_for_a_gpu_host():
