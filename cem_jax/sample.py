@@ -225,12 +225,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "changed)")
     args = parser.parse_args(argv)
     # the training stack (checkpoint loading) is imported only by the command
+    from cem_jax.compilation_cache import use_compilation_cache
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
     from cem_jax.train.checkpoint import CheckpointError
 
     quiet_checkpoint_logs()
     try:
         run = load_run(args.run, args.step)
+        use_compilation_cache(run.config.run.compilation_cache,
+                              run.config.run.compilation_cache_dir, run.config.data)
     except (FileNotFoundError, CheckpointError, ValueError) as err:
         print(f"cem-sample: error: {err}", file=sys.stderr)
         return 1

@@ -107,6 +107,15 @@ class RunConfig:
       a leading `~` is the home directory; no '[' or ']' in its path
       (`cem_jax.train.checkpoint.checkpoint_directory`). steps: optimizer steps in all.
       seed: parameter init seed.
+    init_from / init_step: start a new run from the parameters of the run directory
+      `init_from` at its checkpoint `init_step` (null: its newest), as nanoGPT's `init_from`
+      does: the same model section (the fields of `cem_jax.config.NOT_IN_MATH` aside) and that
+      run's tokenizer (a `data.tokenizer` given must be the same file), a fresh optimizer state
+      from step 0, any data and optimizer. Only for a new run: a run directory that has a
+      checkpoint resumes from it.
+    compilation_cache / compilation_cache_dir: keep compiled steps in JAX's persistent cache so
+      that a restart skips the compile (`cem_jax.compilation_cache`), in compilation_cache_dir
+      (a local path or a gs:// URL; null: `<data cache>/xla`).
     log_every / eval_every / checkpoint_every: in steps (eval and checkpoint also at the end).
     eval_batches: validation batches per evaluation (null: the whole split, exact bits per byte).
     keep_checkpoints: the newest K kept. peak_flops: the device's peak FLOP/s for MFU (null:
@@ -121,6 +130,10 @@ class RunConfig:
     dir: str = "runs/default"
     steps: int = 1000
     seed: int = 0
+    init_from: str | None = None
+    init_step: int | None = None
+    compilation_cache: bool = True
+    compilation_cache_dir: str | None = None
     log_every: int = 10
     eval_every: int = 500
     eval_batches: int | None = None
@@ -147,6 +160,12 @@ class RunConfig:
             require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
         require(self.eval_batches is None or self.eval_batches >= 1, "eval_batches",
                  self.eval_batches, "a positive integer or null")
+        require(self.init_step is None or self.init_step >= 0, "init_step", self.init_step,
+                "a checkpoint step (>= 0) of run.init_from, or null (its newest)")
+        require(self.init_step is None or self.init_from is not None, "init_step",
+                self.init_step, "null unless run.init_from names the run to start from")
+        if self.init_from is not None:
+            object.__setattr__(self, "init_from", os.path.expanduser(self.init_from))
         require(self.sample_tokens >= 0, "sample_tokens", self.sample_tokens, ">= 0")
         require(self.debug_signal in ("SIGTERM", "SIGINT", "SIGKILL"), "debug_signal",
                  self.debug_signal, "one of 'SIGTERM', 'SIGINT', 'SIGKILL'")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -49,6 +50,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from cem_jax import exits
+from cem_jax.compilation_cache import use_compilation_cache
 from cem_jax.config import NOT_IN_MATH
 from cem_jax.data import (
     DataConfig,
@@ -67,6 +69,7 @@ from cem_jax.evaluate import describe, evaluate
 from cem_jax.exits import ExitStatus, StoppedBySignal
 from cem_jax.export.output import unmark_output
 from cem_jax.memory import is_out_of_memory
+from cem_jax.rundir import Run, load_run
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
 from cem_jax.train import hooks
@@ -212,6 +215,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     or a logged step); with several processes, by the one that created it."""
     if cfg.expected_params is not None:
         check_expected_params(cfg)
+    cache = use_compilation_cache(cfg.run.compilation_cache, cfg.run.compilation_cache_dir,
+                                  cfg.data)  # before anything compiles
+    logger.info("compilation cache: %s", cache or "off (run.compilation_cache=false)")
     if cfg.mesh.distributed:
         jax.distributed.initialize(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
                                    cfg.mesh.process_id)
@@ -304,11 +310,17 @@ def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
                            "is cut to %d steps, so the rate reaches optimizer.lr only at the "
                            "last step and never decays; lower optimizer.warmup_steps",
                            cfg.optimizer.warmup_steps, cfg.run.steps, cfg.run.steps)
-        tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None)
+        source = _init_source(cfg) if resume_step is None and cfg.run.init_from else None
+        tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None,
+                                   source=source)
         _load_splits(cfg.data, tokenizer, report=finished is None)
         trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh, cfg.run.debug_nan_step)
         iterator = make_train_iterator(cfg.data, tokenizer, first_step=resume_step or 0)
-        if resume_step is None:
+        if source is not None:
+            state = trainer.init_from_params(source.params)
+            logger.info("initialized from the parameters of %s at step %d (a fresh optimizer "
+                        "state)", source.directory, source.step)
+        elif resume_step is None:
             state = trainer.init(cfg.run.seed)
         else:
             state, meta = checkpointer.restore(resume_step, trainer.abstract_state())
@@ -526,6 +538,22 @@ def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
                        "learning-rate schedule included, from the resume step on", changed)
 
 
+def _init_source(cfg: TrainConfig) -> Run:
+    """The run `run.init_from` at checkpoint `run.init_step` (None: its newest), whose model
+    section must be `cfg`'s (the `NOT_IN_MATH` fields aside): ValueError naming the fields
+    that differ. Raises as `cem_jax.rundir.load_run` (a missing run or step, a corrupt
+    checkpoint)."""
+    source = load_run(cfg.run.init_from, cfg.run.init_step)
+    old, new = (dataclasses.asdict(c.model) for c in (source.config, cfg))
+    changed = {f"model.{k}": (old[k], new[k]) for k in old
+               if k not in NOT_IN_MATH and old[k] != new[k]}
+    if changed:
+        raise ValueError(f"run.init_from {source.directory} holds a model with a different "
+                         f"model section (its, given): {changed}; give the model section of "
+                         f"{source.directory / 'config.yaml'}")
+    return source
+
+
 def _finished_result(cfg: TrainConfig, run_dir: Path,
                      resume_step: int | None) -> dict[str, float] | None:
     """A run started again after its last step: the final validation it logged ({} without a
@@ -536,13 +564,24 @@ def _finished_result(cfg: TrainConfig, run_dir: Path,
     return logged_values(run_dir, resume_step, "eval") if cfg.data.has_validation else {}
 
 
-def _run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool) -> Tokenizer:
+def _run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool,
+                   source: Run | None = None) -> Tokenizer:
     """A resumed run's own tokenizer (its tokenizer.model or tokenizer.json); a new run's
-    tokenizer from the data config, saved into the run directory. Either must fit the model's
-    vocabulary (ValueError otherwise, before anything is saved)."""
+    tokenizer from the data config, or the tokenizer of the run it starts from (`source`, where
+    a `data.tokenizer` given must be that file: ValueError otherwise), saved into the run
+    directory. Each must fit the model's vocabulary (ValueError otherwise, before anything is
+    saved)."""
     if resumed:
         return load_tokenizer(find_tokenizer(run_dir), cfg.model.vocab_size)
-    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size, exits.check)
+    if source is None:
+        tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size, exits.check)
+    else:
+        tokenizer = source.tokenizer
+        given = cfg.data.tokenizer and build_tokenizer(cfg.data, cfg.model.vocab_size)
+        if given and given.sha256 != tokenizer.sha256:
+            raise ValueError(f"data.tokenizer {cfg.data.tokenizer} is not the tokenizer of "
+                             f"run.init_from {source.directory} (SHA-256 differs): leave "
+                             f"data.tokenizer null to use that run's")
     if jax.process_index() == 0:
         tokenizer.save(run_dir / tokenizer.file_name)
     return tokenizer

@@ -1,0 +1,39 @@
+"""JAX's persistent compilation cache for cem_jax's commands.
+
+Every start compiles its steps again (~7 s for the `make train` model on a CPU, minutes for the
+100M step on a pod after each preemption). `cem-train`, `cem-eval` and `cem-sample` keep what
+XLA compiled in JAX's persistent cache (`jax_compilation_cache_dir`), so a restart with the
+same model, mesh and JAX reads it back instead: by default in `<data cache>/xla` (the
+folder of `data.cache_dir`, `$CEM_JAX_CACHE` or ~/.cache/cem_jax), elsewhere with
+`run.compilation_cache_dir` (a local path or a `gs://` URL, which JAX reads through etils'
+epath on fsspec and gcsfs, the filesystem layer of `cem_jax.data.files`); `run.compilation_cache:
+false` turns it off. JAX keys an entry by the computation, the devices, the compile options
+and its own version, so a changed model or another JAX never reads a stale one; it saves only
+computations that took at least `jax_persistent_cache_min_compile_time_secs` (1 s) to compile,
+and an entry it cannot read or write is a warning, never an error (measured:
+benchmarks/results/compilation_cache_cpu.txt).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+from cem_jax.data import DataConfig, files
+from cem_jax.data.pipeline import cache_root
+
+
+def use_compilation_cache(enabled: bool, directory: str | None,
+                          data: DataConfig) -> str | None:
+    """Point this process's JAX at the compilation cache `directory` (None: `<data cache>/xla`
+    of `data`), or turn it off when not `enabled`; returns the folder used (None: off). Call it
+    before the first compile: JAX settles on a cache at its first compile, and a call that
+    changes the folder later resets it. Raises ValueError when the default folder's parent is
+    a file (`cem_jax.data.pipeline.cache_root`)."""
+    folder = (directory or files.join(cache_root(data), "xla")) if enabled else None
+    if folder is not None and not files.is_url(folder):
+        folder = files.local(folder)
+    if jax.config.jax_compilation_cache_dir != folder:
+        jax.config.update("jax_compilation_cache_dir", folder)
+        jax_cache.reset_cache()
+    return folder

@@ -1,0 +1,87 @@
+"""`run.init_from`: a new run starts from another run's parameters (nanoGPT's `init_from`) and
+fine-tunes them on another corpus, with a fresh optimizer; the model section and tokenizer are
+checked; a started fine-tune resumes from its own checkpoints."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import VOCAB, _documents
+from train_helpers import train_losses
+
+from cem_jax.data import load_tokenizer, make_train_iterator, train_tokenizer
+from cem_jax.rundir import load_run
+from cem_jax.sharding import global_batch, make_mesh
+from cem_jax.train import load_config, main, train
+from cem_jax.train.step import Trainer
+
+
+@pytest.fixture(scope="module")
+def pretrained(tiny_overrides, tmp_path_factory):
+    """A tiny run trained for 6 steps on the shared corpus."""
+    run_dir = tmp_path_factory.mktemp("pretrained")
+    train(load_config(None, [*tiny_overrides, f"run.dir={run_dir}", "run.steps=6"]))
+    return run_dir
+
+
+def _other_corpus(root):
+    """Another corpus (other documents), with validation."""
+    for split, docs in (("train", _documents(6, 7)), ("val", _documents(1, 8))):
+        (root / split).mkdir(parents=True)
+        for i, doc in enumerate(docs):
+            (root / split / f"doc{i}.txt").write_text(doc)
+    return [f"data.corpus={root / 'train'}/*.txt", f"data.val_corpus={root / 'val'}/*.txt"]
+
+
+def test_fine_tune_starts_from_the_trained_parameters(tiny_overrides, pretrained, tmp_path):
+    corpus = _other_corpus(tmp_path / "other")
+    run_dir = tmp_path / "tuned"
+    overrides = [*tiny_overrides, *corpus, f"run.dir={run_dir}", "run.steps=3",
+                 f"run.init_from={pretrained}", "run.init_step=6", "optimizer.lr=3e-3",
+                 "optimizer.warmup_steps=1"]
+    summary = train(load_config(None, overrides))
+    assert summary["step"] == 3  # its own steps, from 0: a fresh optimizer, not a resume
+
+    # step 1's loss is the pretrained parameters' loss on the new corpus's first batch
+    cfg = load_config(None, overrides)
+    source = load_run(pretrained, 6)
+    mesh = make_mesh(cfg.mesh)
+    trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh)
+    batch = global_batch(next(make_train_iterator(cfg.data, source.tokenizer)), mesh)
+    want = float(jax.jit(trainer.loss)(trainer.init_from_params(source.params)["params"],
+                                       batch))
+    assert train_losses(run_dir)[1] == pytest.approx(want, rel=1e-6)
+    fresh = float(jax.jit(trainer.loss)(trainer.init(cfg.run.seed)["params"], batch))
+    assert abs(want - fresh) > 0.1  # the pretrained start is not a fresh one
+
+    tuned = load_run(run_dir)
+    assert tuned.tokenizer.sha256 == source.tokenizer.sha256
+    assert tuned.config.run.init_from == str(pretrained)
+    moved = [float(np.max(np.abs(a - b))) for a, b in
+             zip(jax.tree.leaves(tuned.params), jax.tree.leaves(source.params), strict=True)]
+    assert max(moved) > 0  # it trained
+    # started again, it resumes its own run (step 3 → 5), not the pretrained one
+    assert train(load_config(None, [*overrides, "run.steps=5"]))["step"] == 5
+    assert sorted(train_losses(run_dir)) == [1, 2, 3, 4, 5]
+
+
+def test_another_model_or_tokenizer_is_refused(tiny_overrides, pretrained, tmp_path, capsys):
+    base = [*tiny_overrides, f"run.init_from={pretrained}", "run.steps=2"]
+    assert main([*base, f"run.dir={tmp_path / 'a'}", "model.d_model=48"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a model with a different model section" in err
+    assert "'model.d_model': (32, 48)" in err
+    assert not (tmp_path / "a").exists()  # a failed start leaves nothing behind
+
+    texts = _documents(4, 9)
+    other = train_tokenizer(texts, VOCAB, tmp_path / "other.model")  # saved there
+    assert other.sha256 != load_tokenizer(pretrained / "tokenizer.model").sha256
+    tokenizer = f"data.tokenizer={tmp_path / 'other.model'}"
+    assert main([*base, f"run.dir={tmp_path / 'b'}", tokenizer]) == 2
+    assert "is not the tokenizer of run.init_from" in capsys.readouterr().err
+
+    assert main([*base, f"run.dir={tmp_path / 'c'}", "run.init_step=4"]) == 2
+    assert "has no checkpoint of step 4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="'run.init_step' = 3 is invalid: it must be null unless"):
+        load_config(None, ["run.init_step=3"])
