@@ -116,6 +116,10 @@ class RunConfig:
     debug_signal_step / debug_signal: the process sends itself `debug_signal` ("SIGTERM",
       "SIGINT" or "SIGKILL") right after this step (tests of preemption and hard kills).
     progress: show a tqdm progress bar.
+    profile_start / profile_steps / profile_all_processes: a `jax.profiler` trace of steps
+      profile_start … profile_start + profile_steps - 1 (1-based optimizer steps; null: none),
+      on process 0 only unless profile_all_processes, in `dir`/tensorboard/plugins/profile
+      (`cem_jax.train.hooks.Profile`).
     """
 
     dir: str = "runs/default"
@@ -134,6 +138,9 @@ class RunConfig:
     debug_signal_step: int | None = None
     debug_signal: str = "SIGTERM"
     progress: bool = True
+    profile_start: int | None = None
+    profile_steps: int = 3
+    profile_all_processes: bool = False
 
     def __post_init__(self):
         check_field_types(self)
@@ -143,10 +150,12 @@ class RunConfig:
                 "gcsfuse, as launch/tpu_pod.sh --bucket does, is one: give the mount's path; "
                 "data may be read from gs:// directly)")
         for name in ("steps", "log_every", "eval_every", "checkpoint_every",
-                     "keep_checkpoints"):
+                     "keep_checkpoints", "profile_steps"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
         require(self.eval_batches is None or self.eval_batches >= 1, "eval_batches",
                  self.eval_batches, "a positive integer or null")
+        require(self.profile_start is None or self.profile_start >= 1, "profile_start",
+                self.profile_start, "a positive step number or null (no profile)")
         require(self.sample_tokens >= 0, "sample_tokens", self.sample_tokens, ">= 0")
         require(self.debug_signal in ("SIGTERM", "SIGINT", "SIGKILL"), "debug_signal",
                  self.debug_signal, "one of 'SIGTERM', 'SIGINT', 'SIGKILL'")

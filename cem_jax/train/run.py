@@ -466,6 +466,9 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
     loop.add_hook(hooks.SaveCheckpoint(
         lambda step, state: checkpointer.save(step, state, cfg.to_dict(), tokenizer),
         writer), run.checkpoint_every, reads="state", at_last=True)
+    profile = hooks.Profile(run, first)  # a window from step first + 1 on starts now
+    closing.callback(profile.close)  # a trace the loop left running
+    loop.add_hook(profile, reads="state")
     return loop
 
 
