@@ -120,6 +120,10 @@ class RunConfig:
       profile_start … profile_start + profile_steps - 1 (1-based optimizer steps; null: none),
       on process 0 only unless profile_all_processes, in `dir`/tensorboard/plugins/profile
       (`cem_jax.train.hooks.Profile`).
+    wandb_project / wandb_entity / wandb_mode: also log the metrics and the config to Weights &
+      Biases, project `wandb_project` (null: off) of `wandb_entity` (null: the account's
+      default), "online" or "offline" (files under `dir`/wandb for `wandb sync`); needs the
+      extra `wandb` (`cem_jax.train.metrics.open_wandb_run`).
     """
 
     dir: str = "runs/default"
@@ -141,6 +145,9 @@ class RunConfig:
     profile_start: int | None = None
     profile_steps: int = 3
     profile_all_processes: bool = False
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_mode: str = "online"
 
     def __post_init__(self):
         check_field_types(self)
@@ -156,6 +163,8 @@ class RunConfig:
                  self.eval_batches, "a positive integer or null")
         require(self.profile_start is None or self.profile_start >= 1, "profile_start",
                 self.profile_start, "a positive step number or null (no profile)")
+        require(self.wandb_mode in ("online", "offline"), "wandb_mode", self.wandb_mode,
+                "one of 'online', 'offline'")
         require(self.sample_tokens >= 0, "sample_tokens", self.sample_tokens, ">= 0")
         require(self.debug_signal in ("SIGTERM", "SIGINT", "SIGKILL"), "debug_signal",
                  self.debug_signal, "one of 'SIGTERM', 'SIGINT', 'SIGKILL'")

@@ -358,8 +358,7 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
     with the final "state". A resume step whose validation was due but never logged (the run
     was stopped at it) is validated first. Raises StoppedBySignal saying where the loop or the
     final validation stopped (a stop before the loop: as it came)."""
-    writer = MetricsWriter(Path(cfg.run.dir), first)
-    closing.callback(writer.close)
+    writer = closing.enter_context(MetricsWriter(Path(cfg.run.dir), first, cfg))
     if _validation_missing(cfg, first):
         result = _validate(cfg, trainer, state["params"], tokenizer, mesh)
         writer.write(first, "eval", result)
