@@ -125,6 +125,14 @@ class RunConfig:
     debug_signal_step / debug_signal: the process sends itself `debug_signal` ("SIGTERM",
       "SIGINT" or "SIGKILL") right after this step (tests of preemption and hard kills).
     progress: show a tqdm progress bar.
+    profile_start / profile_steps / profile_all_processes: a `jax.profiler` trace of steps
+      profile_start … profile_start + profile_steps - 1 (1-based optimizer steps; null: none),
+      on process 0 only unless profile_all_processes, in `dir`/tensorboard/plugins/profile
+      (`cem_jax.train.hooks.Profile`).
+    wandb_project / wandb_entity / wandb_mode: also log the metrics and the config to Weights &
+      Biases, project `wandb_project` (null: off) of `wandb_entity` (null: the account's
+      default), "online" or "offline" (files under `dir`/wandb for `wandb sync`); needs the
+      extra `wandb` (`cem_jax.train.metrics.open_wandb_run`).
     """
 
     dir: str = "runs/default"
@@ -147,6 +155,12 @@ class RunConfig:
     debug_signal_step: int | None = None
     debug_signal: str = "SIGTERM"
     progress: bool = True
+    profile_start: int | None = None
+    profile_steps: int = 3
+    profile_all_processes: bool = False
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_mode: str = "online"
 
     def __post_init__(self):
         check_field_types(self)
@@ -156,7 +170,7 @@ class RunConfig:
                 "gcsfuse, as launch/tpu_pod.sh --bucket does, is one: give the mount's path; "
                 "data may be read from gs:// directly)")
         for name in ("steps", "log_every", "eval_every", "checkpoint_every",
-                     "keep_checkpoints"):
+                     "keep_checkpoints", "profile_steps"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
         require(self.eval_batches is None or self.eval_batches >= 1, "eval_batches",
                  self.eval_batches, "a positive integer or null")
@@ -166,6 +180,10 @@ class RunConfig:
                 self.init_step, "null unless run.init_from names the run to start from")
         if self.init_from is not None:
             object.__setattr__(self, "init_from", os.path.expanduser(self.init_from))
+        require(self.profile_start is None or self.profile_start >= 1, "profile_start",
+                self.profile_start, "a positive step number or null (no profile)")
+        require(self.wandb_mode in ("online", "offline"), "wandb_mode", self.wandb_mode,
+                "one of 'online', 'offline'")
         require(self.sample_tokens >= 0, "sample_tokens", self.sample_tokens, ">= 0")
         require(self.debug_signal in ("SIGTERM", "SIGINT", "SIGKILL"), "debug_signal",
                  self.debug_signal, "one of 'SIGTERM', 'SIGINT', 'SIGKILL'")

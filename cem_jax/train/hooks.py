@@ -1,10 +1,11 @@
 """The hooks of `cem-train`'s loop (`cem_jax.train.loop.TrainLoop`): the progress bar and the
-speed meter, metric records, validation, checkpoints, and stopping on a signal or a preemption.
+speed meter, metric records, validation, checkpoints, stopping on a signal or a preemption, and
+profiles.
 
 Each is a callable `hook(info)` registered with `TrainLoop.add_hook`; `cem_jax.train.run` wires
 them up in this order: metrics hooks `Progress` (every step) and `LogMetrics` (`run.log_every`);
-state hooks `DebugSignal`, `StopOnSignal` (every step), `Validate` (`run.eval_every`) and
-`SaveCheckpoint` (`run.checkpoint_every` and the last step).
+state hooks `DebugSignal`, `StopOnSignal` (every step), `Validate` (`run.eval_every`),
+`SaveCheckpoint` (`run.checkpoint_every` and the last step) and `Profile` (every step).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -24,6 +26,7 @@ from tqdm import tqdm
 from cem_jax import exits
 from cem_jax.evaluate import describe
 from cem_jax.exits import StoppedBySignal
+from cem_jax.train.config import RunConfig
 from cem_jax.train.loop import StepInfo
 from cem_jax.train.metrics import MetricsWriter
 
@@ -177,3 +180,58 @@ class StopOnSignal:
             return False
         info.finish()  # the all-gather waits for this step: that wait is training time
         return bool(np.any(multihost_utils.process_allgather(np.int32(raised))))
+
+
+class Profile:
+    """A `jax.profiler` trace of steps `run.profile_start` … `run.profile_start +
+    run.profile_steps - 1` (a state hook, every step, added after the others), in
+    `run.dir`/tensorboard, where TensorBoard's profile tab (with xprof) shows it beside the
+    scalars: `plugins/profile/<time>/<host>.xplane.pb`, `<host>.trace.json.gz` and
+    `perfetto_trace.json.gz` (for ui.perfetto.dev). The loop marks each step in it
+    (`StepTraceAnnotation` "train", `step_num`). Traced on process 0, or on every process with
+    `run.profile_all_processes`; nothing without `run.profile_start`.
+
+    The trace starts just before its first step is dispatched: in this hook at the step before,
+    or here, at once, when that is the loop's first step (`first_step + 1`); steps up to
+    `first_step` (a resumed run's) are not traced again, so a window partly past starts at
+    `first_step + 1` and one wholly past traces nothing. It stops at its last step (at most
+    `run.steps`), once that step has finished on the device (`StepInfo.finish`, then its state),
+    after the step's other state hooks; one log line names the trace's directory. `close` stops
+    a trace still running (the loop stopped or raised inside the window)."""
+
+    def __init__(self, run: RunConfig, first_step: int):
+        self.log_dir = Path(run.dir) / "tensorboard"
+        start = run.profile_start or 0
+        self.first = max(start, first_step + 1)
+        self.last = min(start + run.profile_steps - 1, run.steps)
+        self.due = run.profile_start is not None and self.first <= self.last and (
+            run.profile_all_processes or jax.process_index() == 0)
+        self.traced_to: int | None = None  # while tracing: the last step its hook saw
+        if self.due and self.first == first_step + 1:
+            self._start(first_step)
+
+    def __call__(self, info: StepInfo) -> None:
+        if not self.due:
+            return
+        if self.traced_to is not None:
+            self.traced_to = info.step
+        if info.step == self.first - 1:
+            self._start(info.step)
+        elif info.step == self.last:
+            info.finish()
+            jax.block_until_ready(info.state)
+            self.close()
+
+    def _start(self, step: int) -> None:
+        jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
+        self.traced_to = step
+
+    def close(self) -> None:
+        """Stop the trace, if one is running, and say where it is."""
+        if self.traced_to is None:
+            return
+        jax.profiler.stop_trace()
+        newest = max((self.log_dir / "plugins" / "profile").iterdir(), key=os.path.getmtime)
+        logger.info("profile of steps %d-%d: %s", self.first, max(self.first, self.traced_to),
+                    newest)
+        self.traced_to = None

@@ -18,6 +18,11 @@ next dispatch: a checkpoint saves only a finite state, with every step it covers
 the wait for the device counts as training time (`StepInfo.train_clock` stops while state
 hooks run, except inside `finish`). A hook ends the run after this step with
 `StepInfo.request_stop()` (later hooks of the step then see `info.last`).
+
+Each step's dispatch (its batch fetched, the step called) runs inside
+`jax.profiler.StepTraceAnnotation("train", step_num=step)`, so a profiler trace
+(`cem_jax.train.hooks.Profile`) marks the steps; without an active trace the annotation only
+checks that none is active and records nothing.
 """
 
 from __future__ import annotations
@@ -134,7 +139,8 @@ class TrainLoop:
         stop). Raises TrainingDiverged and whatever a hook raises."""
         pending: StepInfo | None = None
         while self.step < self.last_step:
-            self.state, metrics = self.step_fn(self.state, next(self.batches))
+            with jax.profiler.StepTraceAnnotation("train", step_num=self.step + 1):
+                self.state, metrics = self.step_fn(self.state, next(self.batches))
             self.step += 1
             info = StepInfo(self.step, self.state, metrics, self.step == self.last_step, self)
             if pending is not None:

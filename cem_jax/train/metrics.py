@@ -1,5 +1,5 @@
-"""What a run reports: metrics to `metrics.jsonl` and TensorBoard event files (process 0 only),
-and the analytic FLOP count behind MFU.
+"""What a run reports: metrics to `metrics.jsonl`, TensorBoard event files and, when configured,
+Weights & Biases (process 0 only), and the analytic FLOP count behind MFU.
 
 FLOPs (`flops_per_token`): a matmul of an [n,a] by [a,b] costs 2·n·a·b. Per token, forward, with
 D, H, G (key heads), K, F, V, L layers, S = cfg.steps, and N = the sequence length T (attention
@@ -24,9 +24,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 from tensorboardX.event_file_writer import EventsWriter
@@ -35,6 +37,7 @@ from tensorboardX.proto.summary_pb2 import Summary
 
 from cem_jax.config import ModelConfig
 from cem_jax.fileio import atomic_file
+from cem_jax.train.config import TrainConfig
 
 # Peak dense bf16 FLOP/s per device, by whole words of `jax.Device.device_kind` (vendor
 # sheets); the first name that matches wins, so a longer name precedes its prefix.
@@ -107,8 +110,10 @@ def peak_flops(configured: float | None) -> tuple[float, str]:
 
 
 class MetricsWriter:
-    """Append metric records to `run_dir/metrics.jsonl` and to a TensorBoard event file in
-    `run_dir/tensorboard`; a no-op on processes other than 0.
+    """Append metric records to `run_dir/metrics.jsonl`, to a TensorBoard event file in
+    `run_dir/tensorboard` and, given a `config` with `run.wandb_project`, to its W&B run
+    (`open_wandb_run`); a no-op on processes other than 0. A context manager: leaving it
+    closes it, the W&B run finished as failed when an exception leaves.
 
     Records go to both files in the caller's thread (tensorboardX's `EventsWriter`, without the
     queue and thread of its `SummaryWriter`), so `flush` puts every record written so far into
@@ -120,13 +125,17 @@ class MetricsWriter:
     the records of those steps that a killed process had logged are dropped from
     metrics.jsonl (rewritten atomically), and the new event file opens with TensorBoard's
     purge of steps > N (a `SessionLog.START` event at step N+1, as `SummaryWriter(purge_step=)`
-    writes; TensorBoard applies it to the older files), so each step is shown once."""
+    writes; TensorBoard applies it to the older files), so each step is shown once. W&B keeps
+    them (see `open_wandb_run`)."""
 
-    def __init__(self, run_dir: Path, resume_step: int = 0):
+    def __init__(self, run_dir: Path, resume_step: int = 0, config: TrainConfig | None = None):
         self.active = jax.process_index() == 0
         self.tensorboard, self.resume_step = Path(run_dir) / "tensorboard", resume_step
         self.events: EventsWriter | None = None
+        self.wandb = None  # the W&B run
         if self.active:
+            if config is not None and config.run.wandb_project is not None:
+                self.wandb = open_wandb_run(config, Path(run_dir), resume_step)
             path = Path(run_dir) / "metrics.jsonl"
             lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
             kept = [line for line in lines if _logged_by(line, resume_step)]
@@ -137,7 +146,7 @@ class MetricsWriter:
 
     def write(self, step: int, kind: str, values: dict[str, float]) -> None:
         """One record {"step", "kind" ("train"/"eval"), "time", **values}; TensorBoard tags
-        are `kind/name`."""
+        and W&B keys are `kind/name`."""
         if not self.active:
             return
         record = {"step": step, "kind": kind, "time": time.time(),
@@ -150,9 +159,12 @@ class MetricsWriter:
             self.events = EventsWriter(str(self.tensorboard / "events"), f".{time.time_ns()}")
             self.events.write_event(Event(step=self.resume_step + 1, session_log=SessionLog(
                 status=SessionLog.START)))
-        summary = Summary(value=[Summary.Value(tag=f"{kind}/{name}", simple_value=float(value))
-                                 for name, value in values.items()])
+        tagged = {f"{kind}/{name}": float(value) for name, value in values.items()}
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)
+                                 for tag, value in tagged.items()])
         self.events.write_event(Event(wall_time=record["time"], step=step, summary=summary))
+        if self.wandb is not None:
+            self.wandb.log(tagged, step=step)
 
     def flush(self) -> None:
         """Hand every record written so far to the operating system (it outlives the process,
@@ -162,12 +174,51 @@ class MetricsWriter:
             if self.events is not None:
                 self.events.flush()
 
-    def close(self) -> None:
-        """Flush and close the files."""
+    def close(self, failed: bool = False) -> None:
+        """Flush and close the files; finish the W&B run (exit code 1 if `failed`, 0 if not)."""
         if self.active:
             self.jsonl.close()
             if self.events is not None:
                 self.events.close()
+            if self.wandb is not None:
+                self.wandb.finish(exit_code=int(failed))
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        self.close(failed=kind is not None)
+
+
+def open_wandb_run(config: TrainConfig, run_dir: Path, resume_step: int) -> Any:
+    """The Weights & Biases run (`wandb.init`'s `wandb.Run`) of `run_dir`, which `MetricsWriter`
+    logs to on process 0: project `run.wandb_project`, entity `run.wandb_entity`, mode
+    `run.wandb_mode` (offline: `wandb sync run_dir/wandb/offline-run-*`), its files in
+    `run_dir/wandb`, named as the run directory, the config `config.to_dict()` (as config.yaml
+    holds it). Raises ValueError when wandb is not installed.
+
+    Its id is kept in `run_dir/wandb_run_id`: a run resumed from a checkpoint (`resume_step` >
+    0) continues the W&B run of that id (`resume="allow"`); a new run, or one started over from
+    step 0, writes a new id. W&B ignores (with a warning) a record of a step below the last
+    step the run logged, so when a killed process had logged steps after its last checkpoint,
+    the W&B run keeps those first values of the steps the resumed run trains again, up to
+    that last logged step (metrics.jsonl and TensorBoard show the new ones; W&B's rewind,
+    `wandb.init(resume_from=...)`, a beta done by the server, is not used)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(f"run.wandb_project = {config.run.wandb_project!r} needs wandb: pip "
+                         "install 'cem_jax[wandb]' (or set run.wandb_project=null)") from None
+    id_file = run_dir / "wandb_run_id"
+    if resume_step and id_file.is_file():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = secrets.token_hex(8)
+        with atomic_file(id_file) as f:
+            f.write(run_id.encode())
+    return wandb.init(project=config.run.wandb_project, entity=config.run.wandb_entity,
+                      mode=config.run.wandb_mode, dir=run_dir, id=run_id,
+                      name=run_dir.resolve().name, resume="allow", config=config.to_dict())
 
 
 def logged_records(run_dir: Path) -> list[dict]:

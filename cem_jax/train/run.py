@@ -370,8 +370,7 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
     with the final "state". A resume step whose validation was due but never logged (the run
     was stopped at it) is validated first. Raises StoppedBySignal saying where the loop or the
     final validation stopped (a stop before the loop: as it came)."""
-    writer = MetricsWriter(Path(cfg.run.dir), first)
-    closing.callback(writer.close)
+    writer = closing.enter_context(MetricsWriter(Path(cfg.run.dir), first, cfg))
     if _validation_missing(cfg, first):
         result = _validate(cfg, trainer, state["params"], tokenizer, mesh)
         writer.write(first, "eval", result)
@@ -478,6 +477,9 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
     loop.add_hook(hooks.SaveCheckpoint(
         lambda step, state: checkpointer.save(step, state, cfg.to_dict(), tokenizer),
         writer), run.checkpoint_every, reads="state", at_last=True)
+    profile = hooks.Profile(run, first)  # a window from step first + 1 on starts now
+    closing.callback(profile.close)  # a trace the loop left running
+    loop.add_hook(profile, reads="state")
     return loop
 
 
