@@ -9,12 +9,18 @@ folder of `data.cache_dir`, `$CEM_JAX_CACHE` or ~/.cache/cem_jax), elsewhere wit
 epath on fsspec and gcsfs, the filesystem layer of `cem_jax.data.files`); `run.compilation_cache:
 false` turns it off. JAX keys an entry by the computation, the devices, the compile options
 and its own version, so a changed model or another JAX never reads a stale one; it saves only
-computations that took at least `jax_persistent_cache_min_compile_time_secs` (1 s) to compile,
-and an entry it cannot read or write is a warning, never an error (measured:
-benchmarks/results/compilation_cache_cpu.txt).
+computations that took at least `jax_persistent_cache_min_compile_time_secs` (1 s) to compile.
+A folder that cannot be written at the start (a file system read-only or full, a bucket without
+permission) is one warning line, and the command compiles without the cache; a write that fails
+later (the disk filled up) loses only that entry, silently (an entry it cannot read is JAX's
+warning, and compiled again). Measured: benchmarks/results/compilation_cache_cpu.txt.
 """
 
 from __future__ import annotations
+
+import logging
+import os
+import warnings
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
@@ -22,17 +28,30 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from cem_jax.data import DataConfig, files
 from cem_jax.data.pipeline import cache_root
 
+logger = logging.getLogger(__name__)
+
 
 def use_compilation_cache(enabled: bool, directory: str | None,
                           data: DataConfig) -> str | None:
     """Point this process's JAX at the compilation cache `directory` (None: `<data cache>/xla`
-    of `data`), or turn it off when not `enabled`; returns the folder used (None: off). Call it
-    before the first compile: JAX settles on a cache at its first compile, and a call that
-    changes the folder later resets it. Raises ValueError when the default folder's parent is
-    a file (`cem_jax.data.pipeline.cache_root`)."""
+    of `data`; a relative path from the current directory), or turn it off when not `enabled`
+    or when the folder cannot be written (a warning says why); returns the folder used (None:
+    off). Call it before the first compile: JAX settles on a cache at its first compile, and a
+    call that changes the folder later resets it. Raises ValueError when the default folder's
+    parent is a file (`cem_jax.data.pipeline.cache_root`)."""
     folder = (directory or files.join(cache_root(data), "xla")) if enabled else None
     if folder is not None and not files.is_url(folder):
-        folder = files.local(folder)
+        folder = os.path.abspath(files.local(folder))
+    if folder is not None:
+        try:
+            files.write_bytes(files.join(folder, ".writable"), b"")
+        except OSError as err:
+            logger.warning("the compilation cache %s cannot be written (%s): compiling without "
+                           "it; set run.compilation_cache_dir to a writable folder, or "
+                           "run.compilation_cache=false", folder, err)
+            folder = None
+    # a full disk later: the entry is lost, the run goes on (its own writes report the disk)
+    warnings.filterwarnings("ignore", "Error writing persistent compilation cache entry")
     if jax.config.jax_compilation_cache_dir != folder:
         jax.config.update("jax_compilation_cache_dir", folder)
         jax_cache.reset_cache()

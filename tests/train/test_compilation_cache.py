@@ -12,7 +12,7 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from train_helpers import train_losses
 
 from cem_jax.data import files
-from cem_jax.train import load_config, train
+from cem_jax.train import load_config, main, train
 
 
 @pytest.fixture
@@ -81,3 +81,18 @@ def test_a_bucket_holds_the_cache(tiny_overrides, tmp_path, gcs_bucket, cache_ev
     with cache_hits() as hits:
         train(load_config(None, [*base, f"run.dir={tmp_path / 'b'}"]))
     assert len(hits) >= 2
+
+
+def test_a_folder_that_cannot_be_written_is_one_warning(tiny_overrides, tmp_path, capsys,
+                                                       cache_everything):
+    (tmp_path / "a_file").write_text("not a folder")
+    folder = tmp_path / "a_file" / "xla"
+    assert main([*tiny_overrides, "run.steps=2", f"run.dir={tmp_path / 'run'}",
+                 f"run.compilation_cache_dir={folder}"]) == 0
+    out = capsys.readouterr().out
+    warned = [line for line in out.splitlines() if "cannot be written" in line]
+    assert warned == [f"the compilation cache {folder} cannot be written ([Errno 20] Not a "
+                      f"directory: '{folder}'): compiling without it; set "
+                      f"run.compilation_cache_dir to a writable folder, or "
+                      f"run.compilation_cache=false"], out
+    assert jax.config.jax_compilation_cache_dir is None
