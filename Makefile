@@ -46,7 +46,7 @@ lint: install
 	$(PYTHON) -m ruff check cem_jax tests benchmarks
 
 bench: install
-	for b in layers train_step data decode loop attention; do $(PYTHON) benchmarks/$$b.py || exit 1; done
+	for b in layers train_step loss data decode loop attention compilation_cache; do $(PYTHON) benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -116,7 +116,8 @@ def _wandb_records(path: Path) -> list:
 
 
 def test_an_offline_wandb_run_holds_the_logged_losses_and_the_config(tiny_overrides, tmp_path):
-    wandb = pytest.importorskip("wandb")
+    import wandb  # a dev extra: installed by `make test`
+
     try:
         train(load_config(None, [*tiny_overrides, f"run.dir={tmp_path}", "run.steps=4",
                                  "run.sample_tokens=0", "run.wandb_project=cem",
