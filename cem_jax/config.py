@@ -20,15 +20,45 @@ from typing import Any, TypeVar
 
 import yaml
 
-from cem_jax.energies import ACTIVATIONS, ROPE_TYPES, RopeScaling
-from cem_jax.updates import IMPLS
-
 T = TypeVar("T")
+
+# The enumerations of the model section (this module imports no JAX: a reader of configs, a
+# launcher or a data tool, loads none). ACTIVATION_NAMES: the activations `cem_jax.energies`
+# defines; `register_activation` adds to it.
+ACTIVATION_NAMES = ["silu", "gelu", "relu"]
+IMPLS = ("autodiff", "xla", "pallas", "cudnn", "auto")
+ROPE_TYPES = ("default", "linear", "llama3")
+CUDNN_MAX_HEAD_WIDTH = 256  # cuDNN flash attention's widest head (Hopper, cuDNN 9)
 
 # ModelConfig fields that choose how the same function is computed (a resumed run may change
 # them): the attention implementation, the closed form's query block, rematerialization, the
 # loss's chunk.
 NOT_IN_MATH = ("impl", "attention_block", "remat", "loss_chunks")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies are rescaled to stretch a model's context, named and computed as
+    the `rope_type`s of Hugging Face transformers (`modeling_rope_utils.py`, v5):
+
+      default  no scaling
+      linear   every frequency divided by `factor` (position interpolation: positions / factor)
+      llama3   (Llama 3.1) by wavelength λ = 2π/ω against the pretraining context N =
+               `original_max_position`: λ < N/high_freq_factor kept, λ > N/low_freq_factor
+               divided by `factor`, in between (1-s)·ω/factor + s·ω with
+               s = (N/λ - low_freq_factor) / (high_freq_factor - low_freq_factor)
+
+    `ModelConfig` validates the values (its `rope_*` fields); the defaults are no scaling.
+    The frequencies: `cem_jax.energies.rope_frequencies`.
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
 
 INTERACTIONS = ("lowrank", "dplr")
 DIAGONALS = ("per_head", "shared")
@@ -64,7 +94,7 @@ class ModelConfig:
       rope_type: RoPE's frequency scaling, as Hugging Face names it: "default" (none),
         "linear" (frequencies / rope_factor) or "llama3" (Llama 3.1: by wavelength, with
         rope_factor, rope_low_freq_factor, rope_high_freq_factor and the pretraining context
-        rope_original_max_position); formulas in `cem_jax.energies.RopeScaling`.
+        rope_original_max_position); formulas in `RopeScaling`.
       activation: σ of the MLP, "silu" | "gelu" | "relu" or one added with
         `cem_jax.energies.register_activation` (its antiderivative Φ is the MLP energy's).
       impl: "autodiff" (-jax.grad of the energy), "xla" (closed form), "pallas" (closed
@@ -140,7 +170,8 @@ class ModelConfig:
                      "loss_chunks"):
             require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
                      getattr(self, name), "a positive integer")
-        for name, allowed in (("activation", tuple(ACTIVATIONS)), ("interaction", INTERACTIONS),
+        for name, allowed in (("activation", tuple(ACTIVATION_NAMES)),
+                              ("interaction", INTERACTIONS),
                               ("diagonal", DIAGONALS), ("preconditioner", PRECONDITIONERS),
                               ("position", POSITIONS), ("impl", IMPLS),
                               ("gradient_wrt", GRADIENT_WRT), ("dtype", DTYPES),
@@ -177,8 +208,8 @@ class ModelConfig:
                     "(cuDNN's flash attention takes bf16/fp16): set dtype or impl='auto'")
             require(not (self.tie_attention and self.interaction == "dplr"), "impl", self.impl,
                     f"not 'cudnn' with interaction='dplr': its heads are K + D = "
-                    f"{self.head_width + self.d_model} wide, cuDNN takes at most 256; use "
-                    f"impl='pallas', 'xla' or 'auto'")
+                    f"{self.head_width + self.d_model} wide, cuDNN takes at most "
+                    f"{CUDNN_MAX_HEAD_WIDTH}; use impl='pallas', 'xla' or 'auto'")
         require(self.interaction == "lowrank" or self.tie_attention, "interaction",
                 self.interaction, "'lowrank' when tie_attention is false (the diagonal term "
                 "belongs to the CEM attention energy)")

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from cem_jax import kvcache
+from cem_jax.config import CUDNN_MAX_HEAD_WIDTH, IMPLS
 from cem_jax.energies import (
     Activation,
     AttentionSpec,
@@ -337,7 +338,6 @@ def _pallas_attention(q: Array, k: Array, segment_ids: Array | None, spec: Atten
                          check_vma=False)(*args)
 
 
-CUDNN_MAX_HEAD_WIDTH = 256  # cuDNN flash attention's widest head (Hopper, cuDNN 9)
 
 
 def attention_impl(impl: str, dtype, width: int, *, tied: bool) -> str:
@@ -510,8 +510,6 @@ def fold_preconditioner(kind: str, params: dict, impl: str, gradient_wrt: str) -
 # ----------------------------------------------------------------------------------------------
 # The step loop: the single dispatch point between implementations.
 # ----------------------------------------------------------------------------------------------
-
-IMPLS = ("autodiff", "xla", "pallas", "cudnn", "auto")
 
 
 def run_steps(x0: Array, mixer: Mixer, *, norm_scale: Array, eps: float,

@@ -39,13 +39,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
 
 from cem_jax.config import ModelConfig
 from cem_jax.loss import chunk_length
 from cem_jax.memory import check_fits
-from cem_jax.model import CEMTransformer, count_params
+from cem_jax.model import param_counts
 from cem_jax.sharding import (
     MESH_AXES,
     batch_sharding,
@@ -118,12 +117,6 @@ def parse_target(name: str) -> Target:
     return Target(name, count // per_chip,
                   AbstractDevice(device_kind=family.device_kind, num_cores=family.cores,
                                  platform=family.platform), family.memory_gb)
-
-
-def param_counts(model_cfg: ModelConfig) -> dict[str, int]:
-    """`count_params` of the model of `model_cfg`, built abstractly (`nnx.eval_shape`: shapes
-    only, nothing allocated, so a 100M model costs a second)."""
-    return count_params(nnx.eval_shape(lambda: CEMTransformer(model_cfg, rngs=nnx.Rngs(0))))
 
 
 def describe_counts(counts: dict[str, int]) -> str:
