@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -282,6 +283,29 @@ def _as_float(value: Any) -> Any:
 BASE_KEY = "base"  # top-level key of a config file naming the file it inherits from
 
 
+def check_module_names(names: Any) -> Sequence[str]:
+    """`names` if it is a list (or tuple) of module names, as a config's `imports` takes them;
+    ValueError otherwise."""
+    ok = isinstance(names, (list, tuple)) and all(
+        isinstance(n, str) and n and all(part.isidentifier() for part in n.split("."))
+        for n in names)
+    require(ok, "imports", names, "a list of module names, e.g. [my_energies]")
+    return names
+
+
+def import_modules(names: Sequence[str]) -> None:
+    """Import each module of `names` (a config's `imports`: user code that registers what the
+    config names, e.g. `cem_jax.energies.register_activation`); a module already imported is
+    not imported again. Raises ValueError naming a module that cannot be found or imported, and
+    why; what the module's own code raises otherwise."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ValueError(f"imports: module {name!r} cannot be imported ({err}); install it "
+                             f"or put its folder on PYTHONPATH") from None
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file into a nested dict, its chain of `base:` files resolved.
 
@@ -352,7 +376,8 @@ def apply_overrides(values: dict[str, Any], overrides: list[str],
     dataclass}) names that field: a `str` field gets the text after the first `=` exactly as
     written (`run.dir=runs/exp #2`, `sample_prompt=Thou art #1`), and a nullable one (`str |
     None`) also takes `null` or `~` (or nothing) for None. Any other value is parsed as a YAML
-    scalar (`2` → int, `false` → bool, `null` → None); a value that YAML reads as anything else
+    scalar (`2` → int, `false` → bool, `null` → None) or a flow list of them (`[a, b]`, for
+    the top-level `imports`); a value that YAML reads as anything else
     (`KING:` a mapping, `2024-01-01` a date, `*.txt` an alias, `[x` an error) is kept as the
     string given. Raises `ValueError` for a string without `=` or a path through a non-mapping.
     """
@@ -389,12 +414,16 @@ def _typed_value(raw: str, annotation: str | None) -> Any:
 
 
 def _scalar(raw: str) -> Any:
-    """`raw` as a YAML scalar (str, int, float, bool or None), else the string itself."""
+    """`raw` as a YAML scalar (str, int, float, bool or None) or a flow list of them
+    (`imports=[my_energies]`), else the string itself."""
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
-    return value if value is None or isinstance(value, str | int | float | bool) else raw
+    scalar = str | int | float | bool
+    if isinstance(value, list) and all(isinstance(v, scalar) for v in value):
+        return value
+    return value if value is None or isinstance(value, scalar) else raw
 
 
 def load_section(cls: type[T], section: str, path: str | Path | None = None,

@@ -87,8 +87,11 @@ def register_activation(name: str, fn: Callable[[Array], Array],
     energy gets its layer without new layer code). Autodiff of the energy uses `fn` as Φ'
     (as for the built-in ones), so check Φ' = σ yourself, e.g. against `jax.grad`.
 
-    Returns the `Activation`. Raises `ValueError` if `name` is already registered. Registered
-    activations live in this process only: exported Hugging Face models know silu, gelu, relu.
+    Returns the `Activation`. Raises `ValueError` if `name` is already registered. A
+    registration lives in the process that made it: call it in a module of your own and name
+    that module in the config's top-level `imports` (`cem_jax.train.config.TrainConfig`), so
+    that cem-train, a resume and a loaded run (cem-eval, cem-sample) register it first.
+    Exported Hugging Face models know silu, gelu, relu only.
     """
     if name in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is already registered; pick another name")

@@ -31,7 +31,7 @@ from cem_jax.train.checkpoint import Checkpointer, CheckpointError, complete_ste
 from cem_jax.train.config import MeshConfig, OptimizerConfig
 from cem_jax.train.metrics import MetricsWriter, logged_records, logged_values
 from cem_jax.train.optim import decay_mask, learning_rate, make_optimizer
-from cem_jax.train.run import log_to_stdout
+from cem_jax.train.logs import log_to_stdout
 from cem_jax.train.step import Trainer
 
 STEPS = 20
