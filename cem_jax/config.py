@@ -101,7 +101,7 @@ class ModelConfig:
       impl: "autodiff" (-jax.grad of the energy), "xla" (closed form), "pallas" (closed
         form with tied attention in the fused Pallas kernel; interpret mode on CPU, slow),
         "cudnn" (attention in cuDNN's flash attention: a GPU, bfloat16, heads ≤ 256 wide) or
-        "auto" (the fastest of these for the platform, `cem_jax.updates.attention_impl`); all
+        "auto" (the fastest of these for the platform, `cem_jax.attention.attention_impl`); all
         agree, and a resumed run may change it (`NOT_IN_MATH`).
       attention_block: query block of the xla attention's causal block skipping (speed only).
       loss_chunks: how many chunks of the sequence the loss takes the logits in (training and

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
 
+from cem_jax.attention import attention_impl
 from cem_jax.config import ModelConfig
 from cem_jax.loss import chunk_length
 from cem_jax.memory import check_fits
@@ -55,7 +56,6 @@ from cem_jax.sharding import (
 from cem_jax.train.config import TrainConfig
 from cem_jax.train.metrics import flops_per_token
 from cem_jax.train.step import TRAIN_KEYS, Trainer
-from cem_jax.updates import attention_impl
 
 GIB = 2**30
 MIB = 2**20

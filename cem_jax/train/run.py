@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from cem_jax import exits
+from cem_jax.attention import attention_impl
 from cem_jax.compilation_cache import use_compilation_cache
 from cem_jax.data import (
     DataConfig,
@@ -88,7 +89,6 @@ from cem_jax.train.resume import (
     validation_missing,
 )
 from cem_jax.train.step import Trainer
-from cem_jax.updates import attention_impl
 
 logger = logging.getLogger(__name__)
 
