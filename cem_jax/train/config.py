@@ -210,7 +210,7 @@ class TrainConfig:
     expected_params: optional top-level key, the model's exact total parameter count (as
       `cem_jax.model.count_params` gives it). `cem-train` (and `--dry-run`) compares it with
       the model built from the `model` section before anything else and stops with both
-      numbers on a mismatch (`cem_jax.train.dry_run.check_expected_params`); null: no check.
+      numbers on a mismatch (`cem_jax.train.sizing.check_expected_params`); null: no check.
     imports: optional top-level key, the modules imported before the sections are read (your
       own code: an activation of `cem_jax.energies.register_activation`, say; importable
       module names, as `import` takes them). Reading the config (cem-train, a resume,

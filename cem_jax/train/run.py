@@ -71,7 +71,7 @@ from cem_jax.train.checkpoint import (
     complete_steps,
 )
 from cem_jax.train.config import TrainConfig, load_config, save_config
-from cem_jax.train.dry_run import check_expected_params, check_fits_in_memory, dry_run
+from cem_jax.train.dry_run import dry_run
 from cem_jax.train.lock import RunDirInUse, run_dir_lock
 from cem_jax.train.logs import log_to_stdout
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
@@ -88,6 +88,7 @@ from cem_jax.train.resume import (
     run_tokenizer,
     validation_missing,
 )
+from cem_jax.train.sizing import check_expected_params, check_fits_in_memory
 from cem_jax.train.step import Trainer
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--target", metavar="NAME",
                         help="with --dry-run: lower (not compile) the train step for a TPU or "
                              "GPU topology this host lacks, e.g. tpu-v5p-32, tpu-v6e-16, "
-                             "gpu-h200-8 (cem_jax.train.dry_run.TARGETS), and print per-device "
+                             "gpu-h200-8 (cem_jax.train.targets.TARGETS), and print per-device "
                              "state bytes, shardings and kernels")
     args = parser.parse_args(argv)
     if args.target is not None and not args.dry_run:
