@@ -138,6 +138,21 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
     lower_s = time.perf_counter() - start
     echo(f"lowered the train step for {LOWERING_PLATFORM[platform]} in {lower_s:.1f} s")
 
+    state_bytes, shardings = _report_state(state, echo)
+    calls = custom_calls(lowered.compiler_ir("stablehlo"))
+    _report_calls(calls, echo)
+    act = activation_estimate(cfg.model, mesh, check_batch_split(cfg, mesh), cfg.data.seq_len)
+    share = _report_memory(cfg, target, state_bytes, act, echo)
+    return {"target": target, "params": counts, "mesh": dict(mesh.shape),
+            "devices": target.chips, "batch_rows": cfg.data.batch_size,
+            "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len, "lower_s": lower_s,
+            "bytes_per_device": state_bytes, "shardings": shardings, "custom_calls": calls,
+            "activations_estimate": act["total"], "memory_share_estimate": share}
+
+
+def _report_state(state, echo: Callable[[str], None]) -> tuple[dict[str, int], dict]:
+    """Say and return the per-device bytes of the parameters and the optimizer state (exact,
+    from their shardings) and each parameter's sharding (layers as *)."""
     state_bytes = {k: _bytes_per_device(state[k]) for k in ("params", "opt_state")}
     echo(f"per device (exact, from the shardings): parameters {state_bytes['params'] / MIB:.1f}"
          f" MiB, optimizer state {state_bytes['opt_state'] / MIB:.1f} MiB")
@@ -149,8 +164,11 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
             shardings[name] = leaf.sharding.spec
             echo(f"  {name} {_shape(leaf.shape)} {leaf.dtype} {leaf.sharding.spec!r} -> "
                  f"{_shape(leaf.sharding.shard_shape(leaf.shape))}")
+    return state_bytes, shardings
 
-    calls = custom_calls(lowered.compiler_ir("stablehlo"))
+
+def _report_calls(calls: dict[str, dict[str, Any]], echo: Callable[[str], None]) -> None:
+    """Say the lowered module's custom calls (`custom_calls`) and where their kernels sit."""
     for call_target, info in sorted(calls.items()):
         kernels = ", ".join(f"{k} x{n}" for k, n in sorted(info["kernels"].items()))
         where = "" if not info["kernels"] else (
@@ -163,7 +181,11 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
         echo("custom calls: none (no Pallas kernel in this step; model.impl=pallas puts the "
              "tied attention in one)")
 
-    act = activation_estimate(cfg.model, mesh, check_batch_split(cfg, mesh), cfg.data.seq_len)
+
+def _report_memory(cfg: TrainConfig, target: Target, state_bytes: dict[str, int],
+                   act: dict[str, int], echo: Callable[[str], None]) -> float:
+    """Say the activation estimate and the estimated memory per device against the chip's;
+    return that share (parameters, their gradients, optimizer state and activations)."""
     bound = " (a lower bound with remat=none: every block's intermediates stay too)" \
         if cfg.model.remat == "none" else ""
     echo(f"activations per device, ESTIMATE (analytic, not measured){bound}: "
@@ -184,11 +206,7 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
     echo(f"memory per device, ESTIMATE: parameters, their gradients, optimizer state and "
          f"activations {need / 1e9:.1f} GB of the chip's {target.memory_gb:g} GB "
          f"(vendor sheet), {share:.0%}{verdict}")
-    return {"target": target, "params": counts, "mesh": dict(mesh.shape),
-            "devices": target.chips, "batch_rows": cfg.data.batch_size,
-            "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len, "lower_s": lower_s,
-            "bytes_per_device": state_bytes, "shardings": shardings, "custom_calls": calls,
-            "activations_estimate": act["total"], "memory_share_estimate": share}
+    return share
 
 
 def _bytes_per_device(tree) -> int:
