@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cem_jax.config import ROPE_TYPES, ConfigFieldError, ModelConfig
+from cem_jax.config import ROPE_TYPES, ModelConfig
+from cem_jax.config_files import ConfigFieldError
 from cem_jax.data import Tokenizer
 from cem_jax.export.hf_tokenizer import suppress_padded, tokenizer_files, write_tokenizer
 from cem_jax.export.output import ExportError, file_in, staged_dir, write_safetensors

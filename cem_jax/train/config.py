@@ -1,5 +1,5 @@
 """The run's configuration: `model`, `data`, `optimizer`, `mesh` and `run` sections of one YAML
-file (which may inherit from another through `base:`, see `cem_jax.config.load_yaml`), with
+file (which may inherit from another through `base:`, see `cem_jax.config_files.load_yaml`), with
 `section.key=value` overrides, validated (each error names the field) and saved resolved as
 `config.yaml` in the run directory.
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from cem_jax.config import (
-    ModelConfig,
+from cem_jax.config import ModelConfig
+from cem_jax.config_files import (
     apply_overrides,
     check_field_types,
     check_module_names,
@@ -216,7 +216,7 @@ class TrainConfig:
       module names, as `import` takes them). Reading the config (cem-train, a resume,
       `load_run`, cem-eval, cem-sample, cem-export) runs their code, in every process and
       wherever the run is read: keep them installed or on PYTHONPATH there
-      (`cem_jax.config.import_modules`).
+      (`cem_jax.config_files.import_modules`).
     """
 
     model: ModelConfig
