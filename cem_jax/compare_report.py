@@ -15,8 +15,8 @@ import numpy as np
 import scipy.stats
 
 from cem_jax.evaluate import bits_per_byte_of
+from cem_jax.model import param_counts as abstract_param_counts
 from cem_jax.train.config import TrainConfig
-from cem_jax.train.dry_run import param_counts as abstract_param_counts
 from cem_jax.train.metrics import flops_per_token
 
 PARTS = ("embedding", "attention", "mlp", "norm", "preconditioner", "head", "total")

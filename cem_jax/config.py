@@ -1,34 +1,55 @@
-"""Model configuration: one validated dataclass, loadable from YAML with `key=value` overrides.
-
-The YAML file of an experiment has sections (`model:`, and later `data:`, `optimizer:`, ...);
-`load_yaml` reads it (with the chain of files it names as `base:`, whose values it overrides
-section by section), `apply_overrides` applies `section.key=value` strings (a value is read as
-its field's type: `steps=2`, `tie_mlp=false`, `dtype=bfloat16`, `dir=runs/exp #2` as written),
-and `from_dict` builds a dataclass, rejecting unknown keys. Every check raises `ValueError`
-naming the field, the value and what is allowed (DESIGN.md §1 gives the meaning of each CEM
-option).
+"""Model configuration: one validated dataclass and the enumerations of its fields (this module,
+like the other config modules, imports no JAX: a launcher, a data tool or a config reader loads
+none). Every check raises `ValueError` naming the field, the value and what is allowed
+(DESIGN.md §1 gives the meaning of each CEM option); reading YAML files, their `base:` chains
+and `section.key=value` overrides is `cem_jax.config_files`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
-import yaml
+from cem_jax.config_files import check_field_types, load_section, require
 
-from cem_jax.energies import ACTIVATIONS, ROPE_TYPES, RopeScaling
-from cem_jax.updates import IMPLS
-
-T = TypeVar("T")
+# The enumerations of the model section (this module imports no JAX: a reader of configs, a
+# launcher or a data tool, loads none). ACTIVATION_NAMES: the activations `cem_jax.energies`
+# defines; `register_activation` adds to it.
+ACTIVATION_NAMES = ["silu", "gelu", "relu"]
+IMPLS = ("autodiff", "xla", "pallas", "cudnn", "auto")
+ROPE_TYPES = ("default", "linear", "llama3")
+CUDNN_MAX_HEAD_WIDTH = 256  # cuDNN flash attention's widest head (Hopper, cuDNN 9)
 
 # ModelConfig fields that choose how the same function is computed (a resumed run may change
 # them): the attention implementation, the closed form's query block, rematerialization, the
 # loss's chunk.
 NOT_IN_MATH = ("impl", "attention_block", "remat", "loss_chunks")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies are rescaled to stretch a model's context, named and computed as
+    the `rope_type`s of Hugging Face transformers (`modeling_rope_utils.py`, v5):
+
+      default  no scaling
+      linear   every frequency divided by `factor` (position interpolation: positions / factor)
+      llama3   (Llama 3.1) by wavelength λ = 2π/ω against the pretraining context N =
+               `original_max_position`: λ < N/high_freq_factor kept, λ > N/low_freq_factor
+               divided by `factor`, in between (1-s)·ω/factor + s·ω with
+               s = (N/λ - low_freq_factor) / (high_freq_factor - low_freq_factor)
+
+    `ModelConfig` validates the values (its `rope_*` fields); the defaults are no scaling.
+    The frequencies: `cem_jax.energies.rope_frequencies`.
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
 
 INTERACTIONS = ("lowrank", "dplr")
 DIAGONALS = ("per_head", "shared")
@@ -64,13 +85,13 @@ class ModelConfig:
       rope_type: RoPE's frequency scaling, as Hugging Face names it: "default" (none),
         "linear" (frequencies / rope_factor) or "llama3" (Llama 3.1: by wavelength, with
         rope_factor, rope_low_freq_factor, rope_high_freq_factor and the pretraining context
-        rope_original_max_position); formulas in `cem_jax.energies.RopeScaling`.
+        rope_original_max_position); formulas in `RopeScaling`.
       activation: σ of the MLP, "silu" | "gelu" | "relu" or one added with
         `cem_jax.energies.register_activation` (its antiderivative Φ is the MLP energy's).
       impl: "autodiff" (-jax.grad of the energy), "xla" (closed form), "pallas" (closed
         form with tied attention in the fused Pallas kernel; interpret mode on CPU, slow),
         "cudnn" (attention in cuDNN's flash attention: a GPU, bfloat16, heads ≤ 256 wide) or
-        "auto" (the fastest of these for the platform, `cem_jax.updates.attention_impl`); all
+        "auto" (the fastest of these for the platform, `cem_jax.attention.attention_impl`); all
         agree, and a resumed run may change it (`NOT_IN_MATH`).
       attention_block: query block of the xla attention's causal block skipping (speed only).
       loss_chunks: how many chunks of the sequence the loss takes the logits in (training and
@@ -140,7 +161,8 @@ class ModelConfig:
                      "loss_chunks"):
             require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name,
                      getattr(self, name), "a positive integer")
-        for name, allowed in (("activation", tuple(ACTIVATIONS)), ("interaction", INTERACTIONS),
+        for name, allowed in (("activation", tuple(ACTIVATION_NAMES)),
+                              ("interaction", INTERACTIONS),
                               ("diagonal", DIAGONALS), ("preconditioner", PRECONDITIONERS),
                               ("position", POSITIONS), ("impl", IMPLS),
                               ("gradient_wrt", GRADIENT_WRT), ("dtype", DTYPES),
@@ -177,209 +199,11 @@ class ModelConfig:
                     "(cuDNN's flash attention takes bf16/fp16): set dtype or impl='auto'")
             require(not (self.tie_attention and self.interaction == "dplr"), "impl", self.impl,
                     f"not 'cudnn' with interaction='dplr': its heads are K + D = "
-                    f"{self.head_width + self.d_model} wide, cuDNN takes at most 256; use "
-                    f"impl='pallas', 'xla' or 'auto'")
+                    f"{self.head_width + self.d_model} wide, cuDNN takes at most "
+                    f"{CUDNN_MAX_HEAD_WIDTH}; use impl='pallas', 'xla' or 'auto'")
         require(self.interaction == "lowrank" or self.tie_attention, "interaction",
                 self.interaction, "'lowrank' when tie_attention is false (the diagonal term "
                 "belongs to the CEM attention energy)")
-
-
-_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
-
-
-def check_field_types(obj: Any) -> None:
-    """Check every field of dataclass `obj` against its annotation (`int`, `float`, `bool`,
-    `str`, optionally `| None`); bools are not accepted as numbers, nor are inf and nan.
-    Raises `ConfigFieldError`."""
-    for f in dataclasses.fields(obj):
-        value, kinds = getattr(obj, f.name), str(f.type).replace(" ", "").split("|")
-        if value is None and "None" in kinds:
-            continue
-        allowed = tuple(t for k in kinds for t in _TYPES.get(k, (object,)))
-        ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
-        require(ok, f.name, value, f"of type {f.type}")
-        require(not isinstance(value, float) or math.isfinite(value), f.name, value,
-                "a finite number")
-
-
-class ConfigFieldError(ValueError):
-    """A config field out of range; `field` names it (`from_dict` prefixes its section)."""
-
-    def __init__(self, field: str, value: Any, allowed: str):
-        self.field, self.value, self.allowed = field, value, allowed
-        super().__init__(f"config field {field!r} = {value!r} is invalid: it must be {allowed}")
-
-
-def require(ok: bool, field: str, value: Any, allowed: str) -> None:
-    """Raise `ConfigFieldError` unless `ok`."""
-    if not ok:
-        raise ConfigFieldError(field, value, allowed)
-
-
-def from_dict(cls: type[T], values: dict[str, Any], *, section: str = "") -> T:
-    """Build dataclass `cls` from a mapping; unknown keys raise `ValueError` with a suggestion."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    where = f" in section {section!r}" if section else ""
-    if not isinstance(values, dict):
-        raise ValueError(f"config section {section or cls.__name__!r} must be a mapping of "
-                         f"field: value, not {values!r}")
-    for key in values:
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown config field {key!r}{where}{hint} "
-                             f"(known: {', '.join(sorted(fields))})")
-    floats = {f.name for f in dataclasses.fields(cls) if str(f.type).startswith("float")}
-    values = {k: _as_float(v) if k in floats else v for k, v in values.items()}
-    try:
-        return cls(**values)
-    except ConfigFieldError as err:  # name the field as an override would: section.field
-        if not section:
-            raise
-        raise ConfigFieldError(f"{section}.{err.field}", err.value, err.allowed) from None
-
-
-def _as_float(value: Any) -> Any:
-    """YAML 1.1 reads `3e-4` as a string; accept it (and ints) for float fields."""
-    try:
-        return float(value) if isinstance(value, str | int) and not isinstance(value, bool) \
-            else value
-    except ValueError:
-        return value
-
-
-BASE_KEY = "base"  # top-level key of a config file naming the file it inherits from
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into a nested dict, its chain of `base:` files resolved.
-
-    A file may name `base: OTHER.yaml` (a path relative to the file itself); its values then
-    override the base's section by section: a mapping merges key by key into the base's
-    mapping (an empty section changes nothing), any other value replaces the base's. A base may
-    name its own base. Raises `FileNotFoundError` (no such file; a missing base names both
-    files) or `ValueError` (not UTF-8 YAML holding a mapping, a `base:` that is not a path, a
-    cycle of bases).
-    """
-    return _resolve_bases(Path(path), ())
-
-
-def _resolve_bases(path: Path, named_by: tuple[Path, ...]) -> dict[str, Any]:
-    """`path`'s values over those of its bases; `named_by`: the files that led to it."""
-    values = _read_yaml(path)
-    if BASE_KEY not in values:
-        return values
-    base = values.pop(BASE_KEY)
-    if not isinstance(base, str) or not base.strip():
-        raise ValueError(f"config file {str(path)!r}: base must be the path of a YAML file "
-                         f"(relative to this file), not {base!r}")
-    base_path, chain = path.parent / base, (*named_by, path)
-    if base_path.resolve() in {p.resolve() for p in chain}:
-        cycle = " -> ".join(str(p) for p in (*chain, base_path))
-        raise ValueError(f"config file {str(path)!r} names base {base!r}, which leads back to "
-                         f"itself ({cycle}); remove one of these base: lines")
-    if not base_path.is_file():
-        what = "is a directory" if base_path.is_dir() else "does not exist"
-        raise FileNotFoundError(f"config file {str(path)!r} names base {base!r}, but "
-                                f"{str(base_path)!r} {what} (a base is a path relative to "
-                                f"the file that names it)")
-    return _merge(_resolve_bases(base_path, chain), values)
-
-
-def _merge(base: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    """`values` over `base`: mappings merge key by key, any other value replaces."""
-    out = dict(base)
-    for key, value in values.items():
-        if isinstance(out.get(key), dict) and (value is None or isinstance(value, dict)):
-            value = _merge(out[key], value or {})
-        out[key] = value
-    return out
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    """One YAML file as a dict; raises `FileNotFoundError`/`ValueError` naming the file."""
-    if path.is_dir():
-        raise ValueError(f"config file {str(path)!r} is a directory; give a YAML file in it")
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as err:
-        raise ValueError(f"config file {str(path)!r} is not UTF-8 text: {err}") from err
-    except yaml.YAMLError as err:
-        raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from err
-    if not isinstance(values, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
-    return values
-
-
-def apply_overrides(values: dict[str, Any], overrides: list[str],
-                    sections: Mapping[str, type] | None = None) -> dict[str, Any]:
-    """Return a copy of nested `values` with `section.key=value` overrides applied.
-
-    A value is read as the type of the field it sets, when `sections` ({section name:
-    dataclass}) names that field: a `str` field gets the text after the first `=` exactly as
-    written (`run.dir=runs/exp #2`, `sample_prompt=Thou art #1`), and a nullable one (`str |
-    None`) also takes `null` or `~` (or nothing) for None. Any other value is parsed as a YAML
-    scalar (`2` → int, `false` → bool, `null` → None); a value that YAML reads as anything else
-    (`KING:` a mapping, `2024-01-01` a date, `*.txt` an alias, `[x` an error) is kept as the
-    string given. Raises `ValueError` for a string without `=` or a path through a non-mapping.
-    """
-    out = yaml.safe_load(yaml.safe_dump(values))  # deep copy of plain data
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {item!r} must look like section.key=value")
-        *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {part!r} is not a section")
-        cls = (sections or {}).get(parents[0]) if len(parents) == 1 else None
-        node[leaf] = _typed_value(raw, _field_type(cls, leaf))
-    return out
-
-
-def _field_type(cls: type | None, name: str) -> str | None:
-    """The annotation of field `name` of dataclass `cls` as written ("str | None"), or None."""
-    types = {f.name: str(f.type).replace(" ", "") for f in dataclasses.fields(cls)} if cls \
-        else {}
-    return types.get(name)
-
-
-def _typed_value(raw: str, annotation: str | None) -> Any:
-    """`raw` as a value of a field annotated `annotation` (see `apply_overrides`)."""
-    if annotation == "str":
-        return raw
-    if annotation == "str|None":
-        return None if raw.strip() in ("", "null", "Null", "NULL", "~") else raw
-    return _scalar(raw)
-
-
-def _scalar(raw: str) -> Any:
-    """`raw` as a YAML scalar (str, int, float, bool or None), else the string itself."""
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return raw
-    return value if value is None or isinstance(value, str | int | float | bool) else raw
-
-
-def load_section(cls: type[T], section: str, path: str | Path | None = None,
-                 overrides: Sequence[str] = ()) -> T:
-    """Section `section` of YAML file `path` (its bases resolved; None: all defaults) as
-    dataclass `cls`, with overrides given as `section.key=value` (as `cem-train` takes them)
-    or plain `key=value`. Raises `ValueError` for an override of another section (only this
-    one is read), and as `load_yaml`, `apply_overrides` and `from_dict` do."""
-    overrides = [o if "." in o.partition("=")[0] else f"{section}.{o}" for o in overrides]
-    for item in overrides:
-        if item.partition("=")[0].split(".")[0] != section:
-            raise ValueError(f"override {item!r} is not in section {section!r}, the only "
-                             f"one read here")
-    values = apply_overrides(load_yaml(path) if path is not None else {}, overrides,
-                             {section: cls})
-    return from_dict(cls, values.get(section) or {}, section=section)
 
 
 def load_model_config(path: str | Path | None = None,

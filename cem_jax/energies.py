@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import ndtr, spence
 
+from cem_jax.config import ACTIVATION_NAMES, ROPE_TYPES, RopeScaling
+
 Array = jax.Array
 
 
@@ -85,12 +87,16 @@ def register_activation(name: str, fn: Callable[[Array], Array],
     energy gets its layer without new layer code). Autodiff of the energy uses `fn` as Φ'
     (as for the built-in ones), so check Φ' = σ yourself, e.g. against `jax.grad`.
 
-    Returns the `Activation`. Raises `ValueError` if `name` is already registered. Registered
-    activations live in this process only: exported Hugging Face models know silu, gelu, relu.
+    Returns the `Activation`. Raises `ValueError` if `name` is already registered. A
+    registration lives in the process that made it: call it in a module of your own and name
+    that module in the config's top-level `imports` (`cem_jax.train.config.TrainConfig`), so
+    that cem-train, a resume and a loaded run (cem-eval, cem-sample) register it first.
+    Exported Hugging Face models know silu, gelu, relu only.
     """
     if name in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is already registered; pick another name")
     ACTIVATIONS[name] = Activation(name, fn, _with_derivative(antiderivative, fn))
+    ACTIVATION_NAMES.append(name)  # what ModelConfig accepts
     return ACTIVATIONS[name]
 
 
@@ -106,33 +112,11 @@ def get_activation(name: str) -> Activation:
 # ----------------------------------------------------------------------------------------------
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """How RoPE's frequencies are rescaled to stretch a model's context, named and computed as
-    the `rope_type`s of Hugging Face transformers (`modeling_rope_utils.py`, v5):
-
-      default  no scaling
-      linear   every frequency divided by `factor` (position interpolation: positions / factor)
-      llama3   (Llama 3.1) by wavelength λ = 2π/ω against the pretraining context N =
-               `original_max_position`: λ < N/high_freq_factor kept, λ > N/low_freq_factor
-               divided by `factor`, in between (1-s)·ω/factor + s·ω with
-               s = (N/λ - low_freq_factor) / (high_freq_factor - low_freq_factor)
-
-    `ModelConfig` validates the values (its `rope_*` fields); the defaults are no scaling.
-    """
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+NO_SCALING = RopeScaling()  # RoPE as Su et al. wrote it
 
 
 def rope_frequencies(head_dim: int, theta: float = 10000.0,
-                     scaling: RopeScaling = RopeScaling()) -> Array:
+                     scaling: RopeScaling = NO_SCALING) -> Array:
     """RoPE's angular frequency of each feature pair, fp32 [K/2] in radians per position:
     ω_i = theta^(-2i/K), then `scaling` (`RopeScaling`). Raises ValueError for an unknown
     `scaling.rope_type`."""
@@ -155,7 +139,7 @@ def rope_frequencies(head_dim: int, theta: float = 10000.0,
 
 
 def rope_tables(positions: Array, head_dim: int, theta: float = 10000.0,
-                scaling: RopeScaling = RopeScaling()) -> tuple[Array, Array]:
+                scaling: RopeScaling = NO_SCALING) -> tuple[Array, Array]:
     """cos and sin of the RoPE angles at integer `positions` [B,T]: fp32 [B,1,T,K/2] each
     (angle t·ω_i for feature pair i, `rope_frequencies`; compute once, rotate many heads with
     them).
@@ -185,7 +169,7 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 
 def rope(x: Array, positions: Array, theta: float = 10000.0,
-         scaling: RopeScaling = RopeScaling()) -> Array:
+         scaling: RopeScaling = NO_SCALING) -> Array:
     """RoPE of heads-major `x` [B,N,T,K] at `positions` [B,T]; `rope(x, -positions)` is the
     inverse rotation R_tᵀ. (`apply_rope` with `rope_tables`.)"""
     return apply_rope(x, *rope_tables(positions, x.shape[-1], theta, scaling))
@@ -224,7 +208,7 @@ class AttentionSpec:
     use_rope: bool = True
     rope_theta: float = 10000.0
     block_size: int = 128  # query block of the closed form's causal block skipping
-    rope_scaling: RopeScaling = RopeScaling()
+    rope_scaling: RopeScaling = NO_SCALING
 
     @property
     def beta(self) -> float:

@@ -78,7 +78,7 @@ def target_platform() -> str:
     """The platform being traced for: the device platform of the abstract mesh in context
     ("tpu", "gpu", "cpu"; set when lowering for a TPU or GPU from a CPU host, DESIGN.md §6,
     and by the train and eval steps' mesh), else `jax.default_backend()`. Kernel and `impl`
-    choices follow it (`cem_jax.kernels`, `cem_jax.updates.attention_impl`)."""
+    choices follow it (`cem_jax.kernels`, `cem_jax.attention.attention_impl`)."""
     device = jax.sharding.get_abstract_mesh().abstract_device
     return jax.default_backend() if device is None else device.platform
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
+from cem_jax.attention import attention_impl, packed_segments
 from cem_jax.config import ModelConfig
-from cem_jax.updates import _packed_segments, attention_impl
 
 DEVICES = {"gpu": AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"),
            "tpu": AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")}
@@ -66,10 +66,10 @@ def test_the_config_refuses_cudnn_with_float32_or_dplr():
 def test_packed_segments_are_cudnns_offsets_and_lengths():
     """Rows [1,1,2,3] and [1,1,2,0] (eval padding: id 0): segments start where the id
     changes; offsets are their starts then -1 (T+1 of them), lengths their sizes then -1."""
-    offsets, lengths = jax.jit(_packed_segments)(jnp.array([[1, 1, 2, 3], [1, 1, 2, 0]]))
+    offsets, lengths = jax.jit(packed_segments)(jnp.array([[1, 1, 2, 3], [1, 1, 2, 0]]))
     np.testing.assert_array_equal(offsets, [[0, 2, 3, -1, -1], [0, 2, 3, -1, -1]])
     np.testing.assert_array_equal(lengths, [[2, 1, 1, -1], [2, 1, 1, -1]])
-    offsets, lengths = _packed_segments(jnp.array([[5, 5, 5], [1, 2, 3]]))
+    offsets, lengths = packed_segments(jnp.array([[5, 5, 5], [1, 2, 3]]))
     np.testing.assert_array_equal(offsets, [[0, -1, -1, -1], [0, 1, 2, -1]])
     np.testing.assert_array_equal(lengths, [[3, -1, -1], [1, 1, 1]])
 

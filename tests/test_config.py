@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from cem_jax.config import ModelConfig, apply_overrides, load_model_config, load_section, load_yaml
+from cem_jax.config import ModelConfig, load_model_config
+from cem_jax.config_files import apply_overrides, load_section, load_yaml
 from cem_jax.data.config import DataConfig
 
 

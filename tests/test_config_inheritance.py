@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cem_jax.config import load_yaml
+from cem_jax.config_files import load_yaml
 from cem_jax.train.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

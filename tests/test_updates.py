@@ -10,9 +10,9 @@ from helpers import assert_close_to_scale
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cem_jax.attention import attend
 from cem_jax.energies import AttentionSpec, get_activation
 from cem_jax.updates import (
-    attend,
     precondition,
     rms_norm,
     rms_norm_vjp,

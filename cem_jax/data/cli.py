@@ -31,7 +31,8 @@ import numpy as np
 from tqdm import tqdm
 
 from cem_jax import exits
-from cem_jax.config import ModelConfig, load_section
+from cem_jax.config import ModelConfig
+from cem_jax.config_files import load_section
 from cem_jax.data import shakespeare, shards
 from cem_jax.data.config import DataConfig, with_vocab_size
 from cem_jax.data.pipeline import (

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import Any
 
-from cem_jax.config import require
+from cem_jax.config_files import require
 
 MIN_VOCAB_SIZE = 261  # 4 special ids + 256 byte pieces + a character (sentencepiece's floor)
 # DataConfig fields that say where the data is cached, how fast it is read or how much of the

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cem_jax.config import ConfigFieldError, ModelConfig
+from cem_jax.config import ROPE_TYPES, ModelConfig
+from cem_jax.config_files import ConfigFieldError
 from cem_jax.data import Tokenizer
-from cem_jax.energies import ROPE_TYPES
 from cem_jax.export.hf_tokenizer import suppress_padded, tokenizer_files, write_tokenizer
 from cem_jax.export.output import ExportError, file_in, staged_dir, write_safetensors
 from cem_jax.export.safetensors_io import flat_params

@@ -21,7 +21,7 @@ import numpy as np
 import safetensors
 import safetensors.flax
 
-from cem_jax.config import apply_overrides, load_yaml
+from cem_jax.config_files import apply_overrides, load_yaml
 from cem_jax.data import find_tokenizer, load_tokenizer
 from cem_jax.data.tokenizer import saved_names
 from cem_jax.export.hf_llama import from_llama

@@ -34,7 +34,8 @@ import jax
 import numpy as np
 import safetensors.numpy
 
-from cem_jax.config import ModelConfig, from_dict
+from cem_jax.config import ModelConfig
+from cem_jax.config_files import from_dict
 from cem_jax.data import Tokenizer, find_tokenizer, load_tokenizer
 from cem_jax.data.tokenizer import saved_names
 from cem_jax.export.output import ExportError, file_in, staged_dir, write_safetensors

@@ -1,5 +1,5 @@
 """The run's configuration: `model`, `data`, `optimizer`, `mesh` and `run` sections of one YAML
-file (which may inherit from another through `base:`, see `cem_jax.config.load_yaml`), with
+file (which may inherit from another through `base:`, see `cem_jax.config_files.load_yaml`), with
 `section.key=value` overrides, validated (each error names the field) and saved resolved as
 `config.yaml` in the run directory.
 
@@ -15,11 +15,13 @@ from typing import Any
 
 import yaml
 
-from cem_jax.config import (
-    ModelConfig,
+from cem_jax.config import ModelConfig
+from cem_jax.config_files import (
     apply_overrides,
     check_field_types,
+    check_module_names,
     from_dict,
+    import_modules,
     load_yaml,
     require,
 )
@@ -195,7 +197,7 @@ class RunConfig:
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
             "mesh": MeshConfig, "run": RunConfig}
-TOP_LEVEL_KEYS = ("expected_params",)  # plain values beside the sections
+TOP_LEVEL_KEYS = ("expected_params", "imports")  # plain values beside the sections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +210,13 @@ class TrainConfig:
     expected_params: optional top-level key, the model's exact total parameter count (as
       `cem_jax.model.count_params` gives it). `cem-train` (and `--dry-run`) compares it with
       the model built from the `model` section before anything else and stops with both
-      numbers on a mismatch (`cem_jax.train.dry_run.check_expected_params`); null: no check.
+      numbers on a mismatch (`cem_jax.train.sizing.check_expected_params`); null: no check.
+    imports: optional top-level key, the modules imported before the sections are read (your
+      own code: an activation of `cem_jax.energies.register_activation`, say; importable
+      module names, as `import` takes them). Reading the config (cem-train, a resume,
+      `load_run`, cem-eval, cem-sample, cem-export) runs their code, in every process and
+      wherever the run is read: keep them installed or on PYTHONPATH there
+      (`cem_jax.config_files.import_modules`).
     """
 
     model: ModelConfig
@@ -217,8 +225,10 @@ class TrainConfig:
     mesh: MeshConfig
     run: RunConfig
     expected_params: int | None = None
+    imports: tuple[str, ...] = ()
 
     def __post_init__(self):
+        check_module_names(self.imports)
         ok = self.expected_params is None or (isinstance(self.expected_params, int)
                                               and not isinstance(self.expected_params, bool)
                                               and self.expected_params >= 1)
@@ -237,7 +247,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict of every field (the resolved config)."""
         return {**{name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS},
-                "expected_params": self.expected_params}
+                "expected_params": self.expected_params, "imports": list(self.imports)}
 
 
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:
@@ -246,9 +256,11 @@ def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     if unknown:
         raise ValueError(f"unknown config section(s) {sorted(unknown)} (known: "
                          f"{', '.join(SECTIONS)}; top-level keys: {', '.join(TOP_LEVEL_KEYS)})")
+    imports = tuple(check_module_names(values.get("imports") or []))
+    import_modules(imports)  # first: the sections may name what they register
     return TrainConfig(**{name: from_dict(cls, values.get(name) or {}, section=name)
                           for name, cls in SECTIONS.items()},
-                       **{key: values[key] for key in TOP_LEVEL_KEYS if key in values})
+                       expected_params=values.get("expected_params"), imports=imports)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

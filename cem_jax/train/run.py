@@ -31,45 +31,36 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import errno
-import fcntl
 import logging
 import os
 import shutil
 import signal
-import socket
-import sys
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from tqdm import tqdm
 
 from cem_jax import exits
+from cem_jax.attention import attention_impl
 from cem_jax.compilation_cache import use_compilation_cache
-from cem_jax.config import NOT_IN_MATH
 from cem_jax.data import (
     DataConfig,
     Tokenizer,
-    build_tokenizer,
-    load_tokenizer,
     load_tokens,
     make_train_iterator,
 )
-from cem_jax.data.config import token_stream_fields
 from cem_jax.data.distributed import check_same
 from cem_jax.data.pipeline import no_validation
 from cem_jax.data.shakespeare import FetchError
-from cem_jax.data.tokenizer import FILE_NAMES, find_tokenizer
+from cem_jax.data.tokenizer import FILE_NAMES
 from cem_jax.evaluate import describe, evaluate
 from cem_jax.exits import ExitStatus, StoppedBySignal
 from cem_jax.export.output import unmark_output
 from cem_jax.memory import is_out_of_memory
-from cem_jax.rundir import Run, load_run
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
 from cem_jax.train import hooks
@@ -80,23 +71,27 @@ from cem_jax.train.checkpoint import (
     complete_steps,
 )
 from cem_jax.train.config import TrainConfig, load_config, save_config
-from cem_jax.train.dry_run import check_expected_params, check_fits_in_memory, dry_run
+from cem_jax.train.dry_run import dry_run
+from cem_jax.train.lock import RunDirInUse, run_dir_lock
+from cem_jax.train.logs import log_to_stdout
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
 from cem_jax.train.metrics import (
     MetricsWriter,
     flops_per_token,
     logged_records,
-    logged_values,
     peak_flops,
 )
+from cem_jax.train.resume import (
+    check_resumed_config,
+    finished_result,
+    init_source,
+    run_tokenizer,
+    validation_missing,
+)
+from cem_jax.train.sizing import check_expected_params, check_fits_in_memory
 from cem_jax.train.step import Trainer
-from cem_jax.updates import attention_impl
 
 logger = logging.getLogger(__name__)
-
-
-class RunDirInUse(RuntimeError):
-    """Another cem-train holds the run directory."""
 
 
 # OSErrors that say the run cannot go on as configured (a missing or unreadable file, a full
@@ -126,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--target", metavar="NAME",
                         help="with --dry-run: lower (not compile) the train step for a TPU or "
                              "GPU topology this host lacks, e.g. tpu-v5p-32, tpu-v6e-16, "
-                             "gpu-h200-8 (cem_jax.train.dry_run.TARGETS), and print per-device "
+                             "gpu-h200-8 (cem_jax.train.targets.TARGETS), and print per-device "
                              "state bytes, shardings and kernels")
     args = parser.parse_args(argv)
     if args.target is not None and not args.dry_run:
@@ -238,7 +233,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise OSError(f"cannot create run.dir {run_dir} ({err.strerror}: {err.filename}); give "
                       f"a run.dir in a writable place") from None
     try:
-        with _run_dir_lock(run_dir, lead):
+        with run_dir_lock(run_dir, lead):
             return _train(cfg, run_dir, mesh, lead)
     except BaseException as err:
         _remove_if_worthless(created)  # by the process that made it: any, with several
@@ -262,56 +257,26 @@ def _remove_if_worthless(created: list[Path]) -> None:
             return
 
 
-@contextlib.contextmanager
-def _run_dir_lock(run_dir: Path, lead: bool) -> Iterator[None]:
-    """Hold an advisory lock on `run_dir/.lock` (process 0) while training, so that a second
-    cem-train on the same directory stops at once (RunDirInUse) instead of interleaving its
-    checkpoints and metrics. A file system without locks (some FUSE mounts) runs unlocked."""
-    if not lead:
-        yield
-        return
-    try:
-        f = open(run_dir / ".lock", "a+")  # held open while training
-    except OSError:  # a read-only run dir (a finished run shown again): nothing to guard
-        f = None
-    if f is None:
-        yield
-        return
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise RunDirInUse(f"{run_dir} is in use by another cem-train ({f.read().strip()}); "
-                              "wait for it to finish or give another run.dir") from None
-        except OSError:  # no flock here: nothing to hold
-            pass
-        f.truncate(0)
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
-        f.flush()
-        yield
-
-
 def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
            lead: bool) -> dict[str, Any]:
     with contextlib.ExitStack() as closing:  # closed on errors too
         checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
         closing.callback(checkpointer.close)
         resume_step = checkpointer.latest_step()
-        finished = _finished_result(cfg, run_dir, resume_step)
+        finished = finished_result(cfg, run_dir, resume_step)
         if lead and finished is None and not os.access(run_dir, os.W_OK):
             raise PermissionError(f"cannot write in run.dir {run_dir} (read-only or not yours); "
                                   f"copy it to a writable place and train there, or give "
                                   f"another run.dir")
         if resume_step is not None:
-            _check_resumed_config(cfg, run_dir, resume_step, report=finished is None)
+            check_resumed_config(cfg, run_dir, resume_step, report=finished is None)
         if finished is None and cfg.optimizer.warmup_steps > cfg.run.steps:
             logger.warning("optimizer.warmup_steps = %d is more than run.steps = %d: the warmup "
                            "is cut to %d steps, so the rate reaches optimizer.lr only at the "
                            "last step and never decays; lower optimizer.warmup_steps",
                            cfg.optimizer.warmup_steps, cfg.run.steps, cfg.run.steps)
-        source = _init_source(cfg) if resume_step is None and cfg.run.init_from else None
-        tokenizer = _run_tokenizer(cfg, run_dir, resumed=resume_step is not None,
+        source = init_source(cfg) if resume_step is None and cfg.run.init_from else None
+        tokenizer = run_tokenizer(cfg, run_dir, resumed=resume_step is not None,
                                    source=source)
         _load_splits(cfg.data, tokenizer, report=finished is None)
         trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh, cfg.run.debug_nan_step)
@@ -371,7 +336,7 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
     was stopped at it) is validated first. Raises StoppedBySignal saying where the loop or the
     final validation stopped (a stop before the loop: as it came)."""
     writer = closing.enter_context(MetricsWriter(Path(cfg.run.dir), first, cfg))
-    if _validation_missing(cfg, first):
+    if validation_missing(cfg, first):
         result = _validate(cfg, trainer, state["params"], tokenizer, mesh)
         writer.write(first, "eval", result)
         logger.info("step %d: validation %s", first, describe(result))
@@ -405,14 +370,6 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
         writer.write(step, "eval", summary["eval"])
         logger.info("validation after %d steps: %s", step, describe(summary["eval"]))
     return summary
-
-
-def _validation_missing(cfg: TrainConfig, step: int) -> bool:
-    """Whether resume step `step` had a periodic validation due that metrics.jsonl lacks (a run
-    stopped at that step, or during its validation, saves the step but not the validation)."""
-    return (cfg.data.has_validation and 0 < step < cfg.run.steps
-            and step % cfg.run.eval_every == 0
-            and logged_values(Path(cfg.run.dir), step, "eval") is None)
 
 
 def _before_first_step(stop: StoppedBySignal, run_dir: Path) -> StoppedBySignal:
@@ -506,125 +463,3 @@ def _sample(cfg: TrainConfig, params: dict, tokenizer: Tokenizer,
     return tokenizer.decode(out.tokens[0, :out.lengths[0]])
 
 
-def _check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
-                          report: bool = True) -> None:
-    """A resumed run keeps the model and data config of its config.yaml (model fields that only
-    choose how the same function is computed aside, `cem_jax.config.NOT_IN_MATH`, and data
-    fields outside the token stream, `token_stream_fields`: `NOT_IN_TOKEN_STREAM`, and
-    data.vocab_size beside a given tokenizer), and run.steps is at least the
-    resume step (ValueError otherwise). A change of any `optimizer` field, of `run.steps` (to
-    train longer, say; the optimizer state does not depend on them, `cem_jax.train.optim`) or
-    of the `NOT_IN_MATH` model fields is allowed, and reported when `report` (a run with steps
-    left to train): it applies, learning-rate schedule included, from the resume step on."""
-    if cfg.run.steps < resume_step:
-        raise ValueError(f"run.steps = {cfg.run.steps} but the run in {run_dir} has taken "
-                         f"{resume_step} steps already; give run.steps >= {resume_step}, or "
-                         "another run.dir")
-    saved_cfg = load_config(run_dir / "config.yaml")
-    saved, given = saved_cfg.to_dict(), cfg.to_dict()
-
-    def diff(section, keys=None):
-        old, new = saved[section], given[section]
-        return {f"{section}.{k}": (old[k], new[k]) for k in keys or old if old[k] != new[k]}
-
-    model_keys = [k for k in saved["model"] if k not in NOT_IN_MATH]
-    in_stream = token_stream_fields(saved_cfg.data).keys() | token_stream_fields(cfg.data)
-    data_keys = [k for k in saved["data"] if k in in_stream]
-    for section, keys in (("model", model_keys), ("data", data_keys)):
-        if changed := diff(section, keys):
-            raise ValueError(f"{run_dir} holds a run with a different {section} config "
-                             f"(saved, given): {changed}; use another run.dir")
-    changed = {**diff("optimizer"), **diff("run", ["steps"]), **diff("model", NOT_IN_MATH)}
-    if changed and report:
-        logger.warning("resuming with changed settings (saved, given): %s; they apply, the "
-                       "learning-rate schedule included, from the resume step on", changed)
-
-
-def _init_source(cfg: TrainConfig) -> Run:
-    """The run `run.init_from` at checkpoint `run.init_step` (None: its newest), whose model
-    section must be `cfg`'s (the `NOT_IN_MATH` fields aside): ValueError naming the fields
-    that differ. Raises as `cem_jax.rundir.load_run` (a missing run or step, a corrupt
-    checkpoint)."""
-    source = load_run(cfg.run.init_from, cfg.run.init_step)
-    old, new = (dataclasses.asdict(c.model) for c in (source.config, cfg))
-    changed = {f"model.{k}": (old[k], new[k]) for k in old
-               if k not in NOT_IN_MATH and old[k] != new[k]}
-    if changed:
-        raise ValueError(f"run.init_from {source.directory} holds a model with a different "
-                         f"model section (its, given): {changed}; give the model section of "
-                         f"{source.directory / 'config.yaml'}")
-    return source
-
-
-def _finished_result(cfg: TrainConfig, run_dir: Path,
-                     resume_step: int | None) -> dict[str, float] | None:
-    """A run started again after its last step: the final validation it logged ({} without a
-    validation split). None while it has steps to take, or when its final evaluation was never
-    logged (killed during it, or stopped by a signal at the last step): it is evaluated then."""
-    if resume_step != cfg.run.steps:
-        return None
-    return logged_values(run_dir, resume_step, "eval") if cfg.data.has_validation else {}
-
-
-def _run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool,
-                   source: Run | None = None) -> Tokenizer:
-    """A resumed run's own tokenizer (its tokenizer.model or tokenizer.json); a new run's
-    tokenizer from the data config, or the tokenizer of the run it starts from (`source`, where
-    a `data.tokenizer` given must be that file: ValueError otherwise), saved into the run
-    directory. Each must fit the model's vocabulary (ValueError otherwise, before anything is
-    saved)."""
-    if resumed:
-        return load_tokenizer(find_tokenizer(run_dir), cfg.model.vocab_size)
-    if source is None:
-        tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size, exits.check)
-    else:
-        tokenizer = source.tokenizer
-        given = cfg.data.tokenizer and build_tokenizer(cfg.data, cfg.model.vocab_size)
-        if given and given.sha256 != tokenizer.sha256:
-            raise ValueError(f"data.tokenizer {cfg.data.tokenizer} is not the tokenizer of "
-                             f"run.init_from {source.directory} (SHA-256 differs): leave "
-                             f"data.tokenizer null to use that run's")
-    if jax.process_index() == 0:
-        tokenizer.save(run_dir / tokenizer.file_name)
-    return tokenizer
-
-
-class _ProcessFormatter(logging.Formatter):
-    """The message alone; in a multi-host run, prefixed with "[process i/n]"."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        message = super().format(record)
-        if jax.distributed.is_initialized() and jax.process_count() > 1:
-            return f"[process {jax.process_index()}/{jax.process_count()}] {message}"
-        return message
-
-
-def _lead_or_warning(record: logging.LogRecord) -> bool:
-    """Process 0's messages, and every process's warnings and errors."""
-    return record.levelno >= logging.WARNING or not jax.distributed.is_initialized() \
-        or jax.process_index() == 0
-
-
-class _StdoutHandler(logging.Handler):
-    """Each record a line on stdout, through `tqdm.write` (a progress bar on the terminal is
-    cleared and drawn again below it)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            tqdm.write(self.format(record), file=sys.stdout)
-        except Exception:  # logging's contract: report the failure, never raise
-            self.handleError(record)
-
-
-def log_to_stdout() -> None:
-    """Print the "cem_jax" loggers' messages on stdout (`cem-train`'s output; see the module
-    docstring). Idempotent: a second call replaces the handler of the first."""
-    root = logging.getLogger("cem_jax")
-    for handler in [h for h in root.handlers if isinstance(h, _StdoutHandler)]:
-        root.removeHandler(handler)
-    handler = _StdoutHandler()
-    handler.setFormatter(_ProcessFormatter("%(message)s"))
-    handler.addFilter(_lead_or_warning)
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    root.propagate = False  # not again through handlers others put on the root logger

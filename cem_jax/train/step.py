@@ -9,7 +9,7 @@ mesh shardings and the jitted steps:
     state, metrics = trainer.train_step(state, batch)   # state donated
     loss_sum, weight_sum = trainer.eval_step(state["params"], batch)   # `cem_jax.evaluate`'s
 
-The model runs under the mesh (`cem_jax.evaluate.batch_cross_entropy`), so its activations stay
+The model runs under the mesh (`cem_jax.forward.batch_cross_entropy`), so its activations stay
 split over the batch axes whatever the parameters' sharding (`cem_jax.sharding.constrain`).
 
 Loss: mean next-token cross entropy in nats (fp32 logits, taken with their gradient in
@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cem_jax.config import ModelConfig
-from cem_jax.evaluate import batch_cross_entropy, make_eval_step
+from cem_jax.forward import batch_cross_entropy, make_eval_step
 from cem_jax.model import CEMTransformer, abstract_params
 from cem_jax.sharding import BATCH_AXES, batch_sharding, param_shardings, replicated
 from cem_jax.train.config import OptimizerConfig

@@ -15,7 +15,8 @@ from train_helpers import REPO, run_cli
 
 from cem_jax.model import CEMTransformer, count_params
 from cem_jax.train import load_config, main, train
-from cem_jax.train.dry_run import check_batch_split, check_expected_params, dry_run
+from cem_jax.train.dry_run import dry_run
+from cem_jax.train.sizing import check_batch_split, check_expected_params
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 FULL = REPO / "configs" / "cem_full_100m.yaml"

@@ -29,9 +29,9 @@ from cem_jax.sharding import make_mesh, replicated
 from cem_jax.train import load_config, train
 from cem_jax.train.checkpoint import Checkpointer, CheckpointError, complete_steps
 from cem_jax.train.config import MeshConfig, OptimizerConfig
+from cem_jax.train.logs import log_to_stdout
 from cem_jax.train.metrics import MetricsWriter, logged_records, logged_values
 from cem_jax.train.optim import decay_mask, learning_rate, make_optimizer
-from cem_jax.train.run import log_to_stdout
 from cem_jax.train.step import Trainer
 
 STEPS = 20

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 from train_helpers import REPO
 
 from cem_jax.train import load_config, main
-from cem_jax.train.dry_run import dry_run, parse_target
+from cem_jax.train.dry_run import dry_run
+from cem_jax.train.targets import parse_target
 
 FULL = REPO / "configs" / "cem_full_100m.yaml"
 PARAMS = 77_089_560

@@ -21,7 +21,7 @@ from cem_jax.data import build_tokenizer
 from cem_jax.rundir import load_run
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.train import load_config, train
-from cem_jax.train.dry_run import check_expected_params
+from cem_jax.train.sizing import check_expected_params
 
 FULL = REPO / "configs" / "cem_full_100m.yaml"
 

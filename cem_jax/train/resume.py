@@ -1,0 +1,113 @@
+"""What a start of cem-train finds in its run directory, and takes from it: a resumed run's checks
+(the same model and data; a finished run; a validation due at the resume step), a new run's
+tokenizer, and the run it starts from (`run.init_from`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import jax
+
+from cem_jax import exits
+from cem_jax.config import NOT_IN_MATH
+from cem_jax.data import Tokenizer, build_tokenizer, load_tokenizer
+from cem_jax.data.config import token_stream_fields
+from cem_jax.data.tokenizer import find_tokenizer
+from cem_jax.rundir import Run, load_run
+from cem_jax.train.config import TrainConfig, load_config
+from cem_jax.train.metrics import logged_values
+
+logger = logging.getLogger(__name__)
+
+
+def check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
+                          report: bool = True) -> None:
+    """A resumed run keeps the model and data config of its config.yaml (model fields that only
+    choose how the same function is computed aside, `cem_jax.config.NOT_IN_MATH`, and data
+    fields outside the token stream, `token_stream_fields`: `NOT_IN_TOKEN_STREAM`, and
+    data.vocab_size beside a given tokenizer), and run.steps is at least the
+    resume step (ValueError otherwise). A change of any `optimizer` field, of `run.steps` (to
+    train longer, say; the optimizer state does not depend on them, `cem_jax.train.optim`) or
+    of the `NOT_IN_MATH` model fields is allowed, and reported when `report` (a run with steps
+    left to train): it applies, learning-rate schedule included, from the resume step on."""
+    if cfg.run.steps < resume_step:
+        raise ValueError(f"run.steps = {cfg.run.steps} but the run in {run_dir} has taken "
+                         f"{resume_step} steps already; give run.steps >= {resume_step}, or "
+                         "another run.dir")
+    saved_cfg = load_config(run_dir / "config.yaml")
+    saved, given = saved_cfg.to_dict(), cfg.to_dict()
+
+    def diff(section, keys=None):
+        old, new = saved[section], given[section]
+        return {f"{section}.{k}": (old[k], new[k]) for k in keys or old if old[k] != new[k]}
+
+    model_keys = [k for k in saved["model"] if k not in NOT_IN_MATH]
+    in_stream = token_stream_fields(saved_cfg.data).keys() | token_stream_fields(cfg.data)
+    data_keys = [k for k in saved["data"] if k in in_stream]
+    for section, keys in (("model", model_keys), ("data", data_keys)):
+        if changed := diff(section, keys):
+            raise ValueError(f"{run_dir} holds a run with a different {section} config "
+                             f"(saved, given): {changed}; use another run.dir")
+    changed = {**diff("optimizer"), **diff("run", ["steps"]), **diff("model", NOT_IN_MATH)}
+    if changed and report:
+        logger.warning("resuming with changed settings (saved, given): %s; they apply, the "
+                       "learning-rate schedule included, from the resume step on", changed)
+
+
+def init_source(cfg: TrainConfig) -> Run:
+    """The run `run.init_from` at checkpoint `run.init_step` (None: its newest), whose model
+    section must be `cfg`'s (the `NOT_IN_MATH` fields aside): ValueError naming the fields
+    that differ. Raises as `cem_jax.rundir.load_run` (a missing run or step, a corrupt
+    checkpoint)."""
+    source = load_run(cfg.run.init_from, cfg.run.init_step)
+    old, new = (dataclasses.asdict(c.model) for c in (source.config, cfg))
+    changed = {f"model.{k}": (old[k], new[k]) for k in old
+               if k not in NOT_IN_MATH and old[k] != new[k]}
+    if changed:
+        raise ValueError(f"run.init_from {source.directory} holds a model with a different "
+                         f"model section (its, given): {changed}; give the model section of "
+                         f"{source.directory / 'config.yaml'}")
+    return source
+
+
+def finished_result(cfg: TrainConfig, run_dir: Path,
+                     resume_step: int | None) -> dict[str, float] | None:
+    """A run started again after its last step: the final validation it logged ({} without a
+    validation split). None while it has steps to take, or when its final evaluation was never
+    logged (killed during it, or stopped by a signal at the last step): it is evaluated then."""
+    if resume_step != cfg.run.steps:
+        return None
+    return logged_values(run_dir, resume_step, "eval") if cfg.data.has_validation else {}
+
+
+def run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool,
+                   source: Run | None = None) -> Tokenizer:
+    """A resumed run's own tokenizer (its tokenizer.model or tokenizer.json); a new run's
+    tokenizer from the data config, or the tokenizer of the run it starts from (`source`, where
+    a `data.tokenizer` given must be that file: ValueError otherwise), saved into the run
+    directory. Each must fit the model's vocabulary (ValueError otherwise, before anything is
+    saved)."""
+    if resumed:
+        return load_tokenizer(find_tokenizer(run_dir), cfg.model.vocab_size)
+    if source is None:
+        tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size, exits.check)
+    else:
+        tokenizer = source.tokenizer
+        given = cfg.data.tokenizer and build_tokenizer(cfg.data, cfg.model.vocab_size)
+        if given and given.sha256 != tokenizer.sha256:
+            raise ValueError(f"data.tokenizer {cfg.data.tokenizer} is not the tokenizer of "
+                             f"run.init_from {source.directory} (SHA-256 differs): leave "
+                             f"data.tokenizer null to use that run's")
+    if jax.process_index() == 0:
+        tokenizer.save(run_dir / tokenizer.file_name)
+    return tokenizer
+
+
+def validation_missing(cfg: TrainConfig, step: int) -> bool:
+    """Whether resume step `step` had a periodic validation due that metrics.jsonl lacks (a run
+    stopped at that step, or during its validation, saves the step but not the validation)."""
+    return (cfg.data.has_validation and 0 < step < cfg.run.steps
+            and step % cfg.run.eval_every == 0
+            and logged_values(Path(cfg.run.dir), step, "eval") is None)
