@@ -127,9 +127,9 @@ class CEMTransformer(nnx.Module):
 
 def _check_cache(cache: Cache, new: int, segment_ids, return_energies: bool) -> None:
     """Raise ValueError for a forward a cache cannot serve: segment ids, energies or hidden
-    states asked for,
-    or more tokens than its slots hold (checked where the filled length is known: outside jit;
-    under jit, size the cache for every token, as `cem_jax.sample.generate` does)."""
+    states asked for, or more tokens than its slots hold (checked where the filled length is
+    known: outside jit; under jit, size the cache for every token, as `cem_jax.sample.generate`
+    does)."""
     if segment_ids is not None or return_energies:
         raise ValueError("with a decode cache, positions mark the documents (segment_ids "
                          "must be None) and only logits are computed (return_energies and "
