@@ -19,13 +19,13 @@ import time
 import jax
 import numpy as np
 
+from cem_jax.checkpoint import Checkpointer
 from cem_jax.data import build_tokenizer, make_train_iterator
 from cem_jax.sharding import global_batch, make_mesh
-from cem_jax.train.checkpoint import Checkpointer
-from cem_jax.train.config import load_config
 from cem_jax.train.metrics import MetricsWriter
 from cem_jax.train.run import make_loop
 from cem_jax.train.step import Trainer
+from cem_jax.train_config import load_config
 
 
 def main():

@@ -22,8 +22,8 @@ from timing import median_times
 from cem_jax.loss import chunk_length
 from cem_jax.model import model_from_params
 from cem_jax.sharding import global_batch, make_mesh
-from cem_jax.train.config import load_config
 from cem_jax.train.step import Trainer
+from cem_jax.train_config import load_config
 
 
 class WholeLogitsTrainer(Trainer):

@@ -28,9 +28,9 @@ import numpy as np
 from timing import median_times
 
 from cem_jax.sharding import global_batch, make_mesh
-from cem_jax.train.config import load_config
 from cem_jax.train.metrics import flops_per_token, matmul_peak_probe, peak_flops
 from cem_jax.train.step import Trainer
+from cem_jax.train_config import load_config
 
 LLAMA = ["model.tie_attention=false", "model.tie_mlp=false", "model.preconditioner=none"]
 

@@ -65,8 +65,8 @@ from cem_jax.data import make_eval_batches
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run, positive_int
 from cem_jax.monitor import descent_statistics, preconditioner_stats
 from cem_jax.rundir import Run, load_run
-from cem_jax.train.config import TrainConfig, load_config
 from cem_jax.train.metrics import logged_records, logged_values
+from cem_jax.train_config import TrainConfig, load_config
 
 BUDGETS = ("steps", "flops")
 # How a row's note words cem-train's exit status (`cem_jax.exits.ExitStatus`).

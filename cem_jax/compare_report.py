@@ -16,8 +16,8 @@ import scipy.stats
 
 from cem_jax.evaluate import bits_per_byte_of
 from cem_jax.model import param_counts as abstract_param_counts
-from cem_jax.train.config import TrainConfig
 from cem_jax.train.metrics import flops_per_token
+from cem_jax.train_config import TrainConfig
 
 PARTS = ("embedding", "attention", "mlp", "norm", "preconditioner", "head", "total")
 KINDS = ("attention", "mlp")

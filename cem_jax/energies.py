@@ -89,7 +89,7 @@ def register_activation(name: str, fn: Callable[[Array], Array],
 
     Returns the `Activation`. Raises `ValueError` if `name` is already registered. A
     registration lives in the process that made it: call it in a module of your own and name
-    that module in the config's top-level `imports` (`cem_jax.train.config.TrainConfig`), so
+    that module in the config's top-level `imports` (`cem_jax.train_config.TrainConfig`), so
     that cem-train, a resume and a loaded run (cem-eval, cem-sample) register it first.
     Exported Hugging Face models know silu, gelu, relu only.
     """

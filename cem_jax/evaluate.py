@@ -138,10 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "not changed)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    from cem_jax.checkpoint import CheckpointError
     from cem_jax.compilation_cache import use_compilation_cache
     from cem_jax.data import FetchError
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
-    from cem_jax.train.checkpoint import CheckpointError
 
     quiet_checkpoint_logs()
     try:

@@ -1,7 +1,7 @@
 """Load what a training run left: `RUN_DIR/config.yaml`, its tokenizer (`RUN_DIR/tokenizer.model`,
 or `tokenizer.json` beside `tokenizer_config.json`: `find_tokenizer`) and the parameters of
 one checkpoint `RUN_DIR/checkpoints/<step>/state` (written by
-`cem_jax.train.checkpoint.Checkpointer`).
+`cem_jax.checkpoint.Checkpointer`).
 
     run = load_run("runs/cem")             # newest checkpoint
     logits = run.model()(tokens)           # the CEMTransformer holding the checkpoint
@@ -24,17 +24,17 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from cem_jax.data import Tokenizer, load_tokenizer
-from cem_jax.data.tokenizer import find_tokenizer
-from cem_jax.model import CEMTransformer, model_from_params
-from cem_jax.train.checkpoint import (
+from cem_jax.checkpoint import (
     Checkpointer,
     CheckpointError,
     drop_failure_echoes,
     restore_error,
 )
-from cem_jax.train.config import TrainConfig, load_config, save_config
-from cem_jax.train.optim import make_optimizer
+from cem_jax.data import Tokenizer, load_tokenizer
+from cem_jax.data.tokenizer import find_tokenizer
+from cem_jax.model import CEMTransformer, model_from_params
+from cem_jax.optim import make_optimizer
+from cem_jax.train_config import TrainConfig, load_config, save_config
 
 
 class RunDirError(FileNotFoundError):

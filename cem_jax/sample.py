@@ -225,9 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "changed)")
     args = parser.parse_args(argv)
     # the training stack (checkpoint loading) is imported only by the command
+    from cem_jax.checkpoint import CheckpointError
     from cem_jax.compilation_cache import use_compilation_cache
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
-    from cem_jax.train.checkpoint import CheckpointError
 
     quiet_checkpoint_logs()
     try:

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 if TYPE_CHECKING:
-    from cem_jax.train.config import MeshConfig
+    from cem_jax.train_config import MeshConfig
 
 Array = jax.Array
 MESH_AXES = ("data", "fsdp", "tensor")

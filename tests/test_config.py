@@ -117,7 +117,7 @@ def test_load_section_reads_only_its_section(tmp_path):
 def test_an_override_is_read_as_the_type_of_its_field():
     """A string field takes the text after `=` as written (YAML would cut it at ` #` or read
     `'#tag'` as null); nullable strings also take null; other fields parse as before."""
-    from cem_jax.train.config import load_config
+    from cem_jax.train_config import load_config
 
     cfg = load_config(None, ["run.dir=runs/exp #2", "run.sample_prompt=Thou art #1",
                              "data.corpus=#tag", "data.val_corpus=null", "run.steps=7",

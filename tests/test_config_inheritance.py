@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from cem_jax.config_files import load_yaml
-from cem_jax.train.config import load_config
+from cem_jax.train_config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

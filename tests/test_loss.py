@@ -17,8 +17,8 @@ from cem_jax.config import ModelConfig
 from cem_jax.loss import chunk_length, cross_entropy
 from cem_jax.model import model_from_params
 from cem_jax.sharding import local_mesh
-from cem_jax.train.config import OptimizerConfig
 from cem_jax.train.step import Trainer
+from cem_jax.train_config import OptimizerConfig
 
 B, T, D, V = 3, 37, 16, 1001  # 37 = 4 chunks of 10, the last padded with 3 positions
 

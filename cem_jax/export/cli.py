@@ -31,11 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
     parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
+    from cem_jax.checkpoint import CheckpointError
     from cem_jax.data import find_tokenizer
     from cem_jax.export import hf, hf_llama, safetensors_io
     from cem_jax.export.output import ExportError, check_destination
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
-    from cem_jax.train.checkpoint import CheckpointError
 
     quiet_checkpoint_logs()
     writers = {"safetensors": (safetensors_io.export_safetensors, safetensors_io.files),

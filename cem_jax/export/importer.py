@@ -28,7 +28,7 @@ from cem_jax.export.hf_llama import from_llama
 from cem_jax.export.output import ExportError, staged_dir
 from cem_jax.export.safetensors_io import unflat_params
 from cem_jax.rundir import write_run
-from cem_jax.train.config import SECTIONS, config_from_dict
+from cem_jax.train_config import SECTIONS, config_from_dict
 
 # The model fields set by the Llama's config.json (a config's own values of them are replaced).
 LLAMA_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",

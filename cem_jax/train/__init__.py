@@ -1,12 +1,13 @@
-"""Training: config sections, optimizer, compiled steps, checkpoints,
-metrics, and the `cem-train` loop (see `cem_jax.train.loop`).
+"""Training: the compiled steps, metrics, the `cem-train` loop (see `cem_jax.train.loop`) and its
+command; the run's config sections, optimizer and checkpoints are `cem_jax.train_config`,
+`cem_jax.optim` and `cem_jax.checkpoint` (the run reader and the exports use them too).
 
 The names below are imported when first used (they import JAX), so that `cem-train` (`main`)
 catches SIGINT and SIGTERM before JAX loads (`cem_jax.exits`)."""
 
 import importlib
 
-_EXPORTS = {"TrainConfig": "cem_jax.train.config", "load_config": "cem_jax.train.config",
+_EXPORTS = {"TrainConfig": "cem_jax.train_config", "load_config": "cem_jax.train_config",
             "TrainingDiverged": "cem_jax.train.loop", "train": "cem_jax.train.run"}
 
 __all__ = ["TrainConfig", "TrainingDiverged", "load_config", "main", "train"]

@@ -43,10 +43,10 @@ import jax
 from cem_jax.sharding import (
     make_mesh,
 )
-from cem_jax.train.config import TrainConfig
 from cem_jax.train.metrics import flops_per_token
 from cem_jax.train.sizing import GIB, abstract_step, describe_model
 from cem_jax.train.targets import lower_for_target, parse_target
+from cem_jax.train_config import TrainConfig
 
 
 def dry_run(cfg: TrainConfig, echo: Callable[[str], None] = print,

@@ -26,9 +26,9 @@ from tqdm import tqdm
 from cem_jax import exits
 from cem_jax.evaluate import describe
 from cem_jax.exits import StoppedBySignal
-from cem_jax.train.config import RunConfig
 from cem_jax.train.loop import StepInfo
 from cem_jax.train.metrics import MetricsWriter
+from cem_jax.train_config import RunConfig
 
 logger = logging.getLogger(__name__)
 

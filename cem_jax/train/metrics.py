@@ -37,7 +37,7 @@ from tensorboardX.proto.summary_pb2 import Summary
 
 from cem_jax.config import ModelConfig
 from cem_jax.fileio import atomic_file
-from cem_jax.train.config import TrainConfig
+from cem_jax.train_config import TrainConfig
 
 # Peak dense bf16 FLOP/s per device, by whole words of `jax.Device.device_kind` (vendor
 # sheets); the first name that matches wins, so a longer name precedes its prefix.

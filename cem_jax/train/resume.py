@@ -16,8 +16,8 @@ from cem_jax.data import Tokenizer, build_tokenizer, load_tokenizer
 from cem_jax.data.config import token_stream_fields
 from cem_jax.data.tokenizer import find_tokenizer
 from cem_jax.rundir import Run, load_run
-from cem_jax.train.config import TrainConfig, load_config
 from cem_jax.train.metrics import logged_values
+from cem_jax.train_config import TrainConfig, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
     fields outside the token stream, `token_stream_fields`: `NOT_IN_TOKEN_STREAM`, and
     data.vocab_size beside a given tokenizer), and run.steps is at least the
     resume step (ValueError otherwise). A change of any `optimizer` field, of `run.steps` (to
-    train longer, say; the optimizer state does not depend on them, `cem_jax.train.optim`) or
+    train longer, say; the optimizer state does not depend on them, `cem_jax.optim`) or
     of the `NOT_IN_MATH` model fields is allowed, and reported when `report` (a run with steps
     left to train): it applies, learning-rate schedule included, from the resume step on."""
     if cfg.run.steps < resume_step:

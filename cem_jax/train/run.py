@@ -46,6 +46,12 @@ import jax.numpy as jnp
 
 from cem_jax import exits
 from cem_jax.attention import attention_impl
+from cem_jax.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    checkpoint_directory,
+    complete_steps,
+)
 from cem_jax.compilation_cache import use_compilation_cache
 from cem_jax.data import (
     DataConfig,
@@ -64,13 +70,6 @@ from cem_jax.memory import is_out_of_memory
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
 from cem_jax.train import hooks
-from cem_jax.train.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    checkpoint_directory,
-    complete_steps,
-)
-from cem_jax.train.config import TrainConfig, load_config, save_config
 from cem_jax.train.dry_run import dry_run
 from cem_jax.train.lock import RunDirInUse, run_dir_lock
 from cem_jax.train.logs import log_to_stdout
@@ -90,6 +89,7 @@ from cem_jax.train.resume import (
 )
 from cem_jax.train.sizing import check_expected_params, check_fits_in_memory
 from cem_jax.train.step import Trainer
+from cem_jax.train_config import TrainConfig, load_config, save_config
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from cem_jax.sharding import (
     batch_sharding,
     logical_to_mesh,
 )
-from cem_jax.train.config import TrainConfig
 from cem_jax.train.step import TRAIN_KEYS, Trainer
+from cem_jax.train_config import TrainConfig
 
 GIB = 2**30
 MIB = 2**20

@@ -22,7 +22,6 @@ from cem_jax.sharding import (
     MESH_AXES,
     mesh_sizes,
 )
-from cem_jax.train.config import TrainConfig
 from cem_jax.train.sizing import (
     GIB,
     MIB,
@@ -31,6 +30,7 @@ from cem_jax.train.sizing import (
     check_batch_split,
     describe_model,
 )
+from cem_jax.train_config import TrainConfig
 
 
 class Family(NamedTuple):

@@ -10,7 +10,7 @@ from helpers import random_params, train_byte_level_bpe
 
 from cem_jax.data import train_tokenizer
 from cem_jax.rundir import write_run
-from cem_jax.train.config import config_from_dict
+from cem_jax.train_config import config_from_dict
 
 VOCAB = 400
 WORDS = ("the king queen lord lady sword crown night day love death honour fool wit grace "

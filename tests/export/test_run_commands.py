@@ -16,12 +16,12 @@ import pytest
 import safetensors.numpy
 
 from cem_jax import evaluate, sample
+from cem_jax.checkpoint import CheckpointError
 from cem_jax.export import cli
 from cem_jax.export.safetensors_io import load_safetensors
 from cem_jax.model import model_from_params
 from cem_jax.rundir import RunDirError, load_run
 from cem_jax.sample import SamplingConfig, generate
-from cem_jax.train.checkpoint import CheckpointError
 
 CEM = dict(interaction="dplr", preconditioner="dplr", steps=2)
 
@@ -244,7 +244,7 @@ def test_cem_eval_on_the_builtin_splits(tmp_path, corpus):
 
     from cem_jax.data import build_tokenizer, load_tokens
     from cem_jax.rundir import write_run
-    from cem_jax.train.config import config_from_dict
+    from cem_jax.train_config import config_from_dict
 
     cfg = config_from_dict({"model": {"d_model": 16, "num_layers": 1, "num_heads": 2,
                                       "mlp_dim": 32},

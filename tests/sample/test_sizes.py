@@ -16,7 +16,7 @@ from cem_jax.memory import DoesNotFit, device_memory_bytes
 from cem_jax.rundir import write_run
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sample import main as sample_main
-from cem_jax.train.config import config_from_dict
+from cem_jax.train_config import config_from_dict
 
 
 def test_the_memory_of_this_cpu_device_is_known():

@@ -25,8 +25,8 @@ from cem_jax.compare_report import paired_interval
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run
 from cem_jax.model import CEMTransformer, count_params
 from cem_jax.rundir import load_run
-from cem_jax.train.config import load_config
 from cem_jax.train.metrics import flops_per_token, logged_records
+from cem_jax.train_config import load_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -30,8 +30,8 @@ def _run() -> dict:
 
     from cem_jax.config import ModelConfig
     from cem_jax.sharding import batch_sharding, global_batch, make_mesh
-    from cem_jax.train.config import MeshConfig, OptimizerConfig
     from cem_jax.train.step import TRAIN_KEYS, Trainer
+    from cem_jax.train_config import MeshConfig, OptimizerConfig
 
     model = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
                         mlp_dim=48, init_std=0.1, impl="pallas")

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 from cem_jax.train import load_config, train
-from cem_jax.train.config import RunConfig
 from cem_jax.train.hooks import Profile
 from cem_jax.train.loop import TrainLoop
 from cem_jax.train.metrics import logged_records
+from cem_jax.train_config import RunConfig
 
 
 def traced_steps(tensorboard: Path) -> set[int]:

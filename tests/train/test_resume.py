@@ -22,17 +22,17 @@ import pytest
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from train_helpers import REPO, run_cli, signal_at, train_losses
 
+from cem_jax.checkpoint import Checkpointer, CheckpointError, complete_steps
 from cem_jax.config import ModelConfig
 from cem_jax.data import load_tokenizer
+from cem_jax.optim import decay_mask, learning_rate, make_optimizer
 from cem_jax.rundir import load_run
 from cem_jax.sharding import make_mesh, replicated
 from cem_jax.train import load_config, train
-from cem_jax.train.checkpoint import Checkpointer, CheckpointError, complete_steps
-from cem_jax.train.config import MeshConfig, OptimizerConfig
 from cem_jax.train.logs import log_to_stdout
 from cem_jax.train.metrics import MetricsWriter, logged_records, logged_values
-from cem_jax.train.optim import decay_mask, learning_rate, make_optimizer
 from cem_jax.train.step import Trainer
+from cem_jax.train_config import MeshConfig, OptimizerConfig
 
 STEPS = 20
 EVERY = [f"run.steps={STEPS}", "run.checkpoint_every=4", "run.eval_every=5"]

@@ -32,11 +32,11 @@ def _run() -> dict:
     import jax
     import numpy as np
 
+    from cem_jax.checkpoint import Checkpointer
     from cem_jax.config import ModelConfig
     from cem_jax.sharding import global_batch, make_mesh
-    from cem_jax.train.checkpoint import Checkpointer
-    from cem_jax.train.config import MeshConfig, OptimizerConfig
     from cem_jax.train.step import Trainer
+    from cem_jax.train_config import MeshConfig, OptimizerConfig
 
     model = ModelConfig(vocab_size=320, d_model=32, num_layers=2, num_heads=4, mlp_dim=64,
                         interaction="dplr", preconditioner="dplr", preconditioner_rank=2)

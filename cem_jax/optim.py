@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from cem_jax.train.config import OptimizerConfig
+from cem_jax.train_config import OptimizerConfig
 
 NO_DECAY = ("norm", "final_norm", "precond", "diag", "bias")  # path names exempt from decay
 

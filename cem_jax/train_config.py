@@ -107,7 +107,7 @@ class RunConfig:
     dir: the run directory (config, tokenizer, metrics, checkpoints); an existing one with a
       checkpoint is resumed. A local path (a bucket is mounted with gcsfuse: launch/README.md);
       a leading `~` is the home directory; no '[' or ']' in its path
-      (`cem_jax.train.checkpoint.checkpoint_directory`). steps: optimizer steps in all.
+      (`cem_jax.checkpoint.checkpoint_directory`). steps: optimizer steps in all.
       seed: parameter init seed.
     init_from / init_step: start a new run from the parameters of the run directory
       `init_from` at its checkpoint `init_step` (null: its newest), as nanoGPT's `init_from`
