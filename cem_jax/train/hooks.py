@@ -4,7 +4,7 @@ profiles.
 
 Each is a callable `hook(info)` registered with `TrainLoop.add_hook`; `cem_jax.train.run` wires
 them up in this order: metrics hooks `Progress` (every step) and `LogMetrics` (`run.log_every`);
-state hooks `DebugSignal`, `StopOnSignal` (every step), `Validate` (`run.eval_every`),
+state hooks `StopOnSignal` (every step), `Validate` (`run.eval_every`),
 `SaveCheckpoint` (`run.checkpoint_every` and the last step) and `Profile` (every step).
 """
 
@@ -128,18 +128,6 @@ class SaveCheckpoint:
         info.finish()
         self.writer.flush()
         self.save(info.step, info.state)
-
-
-class DebugSignal:
-    """Tests of preemption and hard kills: the process sends itself `name` ("SIGTERM",
-    "SIGINT", "SIGKILL") right after step `step` is dispatched (a state hook)."""
-
-    def __init__(self, step: int, name: str):
-        self.step, self.signum = step, getattr(signal, name)
-
-    def __call__(self, info: StepInfo) -> None:
-        if info.step == self.step:
-            os.kill(os.getpid(), self.signum)
 
 
 class StopOnSignal:

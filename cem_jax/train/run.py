@@ -279,7 +279,7 @@ def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
         tokenizer = run_tokenizer(cfg, run_dir, resumed=resume_step is not None,
                                    source=source)
         _load_splits(cfg.data, tokenizer, report=finished is None)
-        trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh, cfg.run.debug_nan_step)
+        trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh)
         iterator = make_train_iterator(cfg.data, tokenizer, first_step=resume_step or 0)
         if source is not None:
             state = trainer.init_from_params(source.params)
@@ -421,9 +421,6 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
     loop.add_hook(progress)
     loop.add_hook(hooks.LogMetrics(writer, progress, flops, peak), run.log_every,
                   at_last=True)
-    if run.debug_signal_step is not None:
-        loop.add_hook(hooks.DebugSignal(run.debug_signal_step, run.debug_signal),
-                      run.debug_signal_step, reads="state")
     closing.enter_context(exits.caught())  # cem-train's own, or this loop's while it runs
     loop.add_hook(hooks.StopOnSignal(agree_every=run.log_every, first_step=first),
                   reads="state")

@@ -44,12 +44,11 @@ class Trainer:
 
     Attributes: optimizer (optax), learning_rate (its schedule), state_shardings (pytree of
     `NamedSharding` like the train state), mesh.
-    debug_nan_step: the step (1-based) whose loss and gradients are replaced by NaN (tests).
     """
 
     def __init__(self, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int,
-                 mesh: jax.sharding.Mesh, debug_nan_step: int | None = None):
-        self.model_cfg, self.mesh, self.debug_nan_step = model_cfg, mesh, debug_nan_step
+                 mesh: jax.sharding.Mesh):
+        self.model_cfg, self.mesh = model_cfg, mesh
         self.accumulation = opt_cfg.accumulation_steps
         self.optimizer = make_optimizer(opt_cfg, total_steps)
         self.learning_rate = learning_rate(opt_cfg, total_steps)
@@ -118,9 +117,6 @@ class Trainer:
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
             loss, grads = jax.tree.map(lambda x: x / A, (loss, grads))
-        if self.debug_nan_step is not None:
-            poison = jnp.where(state["step"] + 1 == self.debug_nan_step, jnp.nan, 1.0)
-            loss, grads = jax.tree.map(lambda x: x * poison.astype(x.dtype), (loss, grads))
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}

@@ -16,6 +16,7 @@ import numpy as np
 import portpicker
 import pyarrow as pa
 import pyarrow.parquet as pq
+from faults import fault_env
 from helpers import train_byte_level_bpe
 
 from cem_jax.data import files, shards
@@ -55,15 +56,17 @@ def stand_in_corpus(bucket: str, tmp_path: Path) -> None:
                       (tmp_path / "tokenizer.json").read_bytes())
 
 
-def workers(overrides: list[str], run_dir: Path) -> list[subprocess.CompletedProcess]:
-    """What tpu_pod.sh runs on each of two workers, each a process of one CPU device."""
+def workers(overrides: list[str], run_dir: Path,
+            env: dict[str, str]) -> list[subprocess.CompletedProcess]:
+    """What tpu_pod.sh runs on each of two workers, each a process of one CPU device, with
+    `env` added to the environment."""
     port = portpicker.pick_unused_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "cem_jax.train", "--config", "configs/cem_full_100m.yaml",
          f"run.dir={run_dir}", "mesh.distributed=true", *overrides, *TINY,
          f"mesh.coordinator_address=localhost:{port}", "mesh.num_processes=2",
          f"mesh.process_id={i}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for i in range(2)]
+        text=True, env={**os.environ, **env}) for i in range(2)]
     return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), *p.communicate())
             for p in procs]
 
@@ -88,11 +91,12 @@ def test_the_pod_walkthrough_runs_on_a_stand_in(gcs_bucket, tmp_path):
         capture_output=True, text=True, check=True).stdout.split()
     assert f"data.corpus={gcs_bucket}/tokens/fineweb-edu-10bt" in overrides
     assert "--config configs/cem_full_100m.yaml" in command  # what `workers` runs
-    preempted = workers([*overrides, "run.debug_signal_step=2"], tmp_path / "run")
+    preempted = workers([*overrides, "imports=[faults]"], tmp_path / "run",
+                        fault_env(signal_step=2))  # the preemption notice after step 2
     assert [p.returncode for p in preempted] == [75, 75], [p.stderr for p in preempted]
     stopped = re.search(r"stopped by a signal \(SIGTERM\) at step (\d+)", preempted[0].stderr)
     assert stopped and 2 <= int(stopped.group(1)) < 200, preempted[0].stderr
-    resumed = workers(overrides, tmp_path / "run")
+    resumed = workers(overrides, tmp_path / "run", fault_env())
     assert [p.returncode for p in resumed] == [0, 0], [p.stderr for p in resumed]
     assert f"resumed {tmp_path / 'run'} from step {stopped.group(1)}" in resumed[0].stdout
     assert "validation after 200 steps" in resumed[0].stdout

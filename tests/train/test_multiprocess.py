@@ -3,12 +3,14 @@ with the same losses as one process holding the whole batch, with the parameters
 them (fsdp: the end-of-training sample decodes from split parameters too), stop together on a
 preemption notice, and resume on another process count."""
 
+import os
 import re
 import subprocess
 import sys
 
 import portpicker
 import pytest
+from faults import fault_env
 from train_helpers import REPO, run_cli, train_losses
 
 STEPS = 6
@@ -21,11 +23,12 @@ def test_sigterm_stops_every_process_at_one_step_through_the_preemption_service(
     port = portpicker.pick_unused_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "cem_jax.train", *tiny_overrides, f"run.dir={tmp_path}",
-         "run.steps=200", "run.checkpoint_every=100", "run.debug_signal_step=3",
-         "run.debug_signal=SIGTERM", "mesh.distributed=true",
+         "run.steps=200", "run.checkpoint_every=100", "imports=[faults]",
+         "mesh.distributed=true",
          f"mesh.coordinator_address=localhost:{port}", "mesh.num_processes=2",
          f"mesh.process_id={i}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **fault_env(signal_step=3)})
         for i in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [75, 75], outputs  # stopped: relaunch to resume

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from faults import fault_env
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from train_helpers import REPO, run_cli, signal_at, train_losses
 
@@ -102,7 +103,7 @@ def straight(tiny_overrides, tmp_path_factory):
     ("SIGTERM", 75)])
 def test_resume_after_signal_is_exact(straight, tiny_overrides, tmp_path, sig, returncode):
     common = [*tiny_overrides, f"run.dir={tmp_path}", *EVERY]
-    first = run_cli([*common, "run.debug_signal_step=10", f"run.debug_signal={sig}"])
+    first = run_cli([*common, "imports=[faults]"], env=fault_env(signal_step=10, signal=sig))
     assert first.returncode == returncode, first.stderr
     if sig == "SIGTERM":  # a clean stop saves the step it stopped at, and says so
         assert first.stderr.splitlines() == [
@@ -113,7 +114,7 @@ def test_resume_after_signal_is_exact(straight, tiny_overrides, tmp_path, sig, r
     # metrics are read a step late: a hard kill right after dispatching step 10 loses its
     # record (the resumed run logs it); a clean stop finishes the step first
     assert max(train_losses(tmp_path)) == (10 if sig == "SIGTERM" else 9)
-    second = run_cli(common)
+    second = run_cli(common, env=fault_env())  # config.yaml names faults: importable, no fault
     assert second.returncode == 0, second.stderr
     output = second.stdout + second.stderr
     resumed_from = int(output.split("from step ")[1].split()[0])

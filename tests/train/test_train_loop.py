@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import faults
 import jax
 import numpy as np
 import pytest
@@ -27,9 +28,11 @@ from cem_jax.train.step import Trainer
 from cem_jax.train_config import MeshConfig, OptimizerConfig
 
 
-def test_nan_stops_the_run_and_keeps_the_good_checkpoint(tiny_overrides, tmp_path, capsys):
+def test_nan_stops_the_run_and_keeps_the_good_checkpoint(tiny_overrides, tmp_path, capsys,
+                                                         monkeypatch):
+    faults.arm(monkeypatch.setattr, nan_step=8)
     status = main([*tiny_overrides, f"run.dir={tmp_path}", "run.steps=12",
-                   "run.checkpoint_every=3", "run.debug_nan_step=8"])
+                   "run.checkpoint_every=3"])
     err = capsys.readouterr().err
     assert status == 3  # diverged: not retried
     assert err.rstrip().endswith("(exit status 3)") and "cem-train: diverged: " in err
@@ -41,7 +44,7 @@ def test_nan_stops_the_run_and_keeps_the_good_checkpoint(tiny_overrides, tmp_pat
     trainer = Trainer(cfg.model, cfg.optimizer, 12, make_mesh(cfg.mesh))
     state, meta = checkpointer.restore(6, trainer.abstract_state())
     checkpointer.close()
-    assert int(state["step"]) == 6 and meta["config"]["run"]["debug_nan_step"] == 8
+    assert int(state["step"]) == 6 and meta["config"]["run"]["steps"] == 12
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
 
 

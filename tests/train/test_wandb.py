@@ -8,6 +8,7 @@ import sys
 import types
 from pathlib import Path
 
+import faults
 import pytest
 import yaml
 
@@ -74,7 +75,9 @@ def test_a_failed_run_finishes_as_failed_and_a_start_over_is_a_new_wandb_run(
     monkeypatch.setitem(sys.modules, "wandb", fake)
     args = [*tiny_overrides, f"run.dir={tmp_path}", "run.sample_tokens=0", "run.steps=3",
             "run.wandb_project=cem"]
-    assert main([*args, "run.debug_nan_step=2"]) == 3  # diverged before any checkpoint
+    with monkeypatch.context() as patch:
+        faults.arm(patch.setattr, nan_step=2)
+        assert main(args) == 3  # diverged before any checkpoint
     assert fake.exit_codes == [1] and [step for step, _ in fake.logs[0]] == [1]
     assert main(args) == 0  # starts over from step 0: a new W&B run
     assert fake.inits[1]["id"] != fake.inits[0]["id"]

@@ -1,0 +1,78 @@
+"""Test-only faults for `cem-train`, from outside the product: neither the config nor the
+compiled step knows of them.
+
+In a subprocess, a config's `imports` loads this module (`imports=[faults]`, with tests/ on
+PYTHONPATH: `fault_env`), and the environment chooses the fault:
+
+  CEM_FAULT_NAN_STEP=N      the loss of optimizer step N is NaN (the loop stops the run as
+                            diverged before anything of step N is saved)
+  CEM_FAULT_SIGNAL_STEP=N   the process sends itself CEM_FAULT_SIGNAL (SIGTERM, the default,
+                            SIGINT or SIGKILL) right after step N is dispatched, before the
+                            loop's other hooks of that step
+
+In-process tests call `arm(nan_step=..., signal_step=...)` under pytest's monkeypatch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from cem_jax.train import run
+from cem_jax.train.loop import Hook
+
+HERE = Path(__file__).parent
+
+
+def fault_env(**faults: int | str) -> dict[str, str]:
+    """The environment of a subprocess whose config names `imports=[faults]`: this folder on
+    PYTHONPATH, and CEM_FAULT_<NAME> for each fault (nan_step=8, signal_step=10, signal=...)."""
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, **{f"CEM_FAULT_{k.upper()}": str(v) for k, v in faults.items()}}
+
+
+def _nan_at(step_fn, step: int):
+    def step_with_nan(state, batch):
+        state, metrics = step_fn(state, batch)
+        poison = jnp.where(state["step"] == step, jnp.nan, 0.0)
+        return state, {**metrics, "loss": metrics["loss"] + poison}
+
+    return step_with_nan
+
+
+def _signal_at(step: int, name: str) -> Hook:
+    def send(info):
+        if info.step == step:
+            os.kill(os.getpid(), getattr(signal, name))
+
+    return Hook(send, step, reads="state")
+
+
+def arm(patch=setattr, nan_step: int | None = None, signal_step: int | None = None,
+        signal_name: str = "SIGTERM") -> None:
+    """Make cem-train's loop (`cem_jax.train.run.make_loop`) carry the faults; `patch` is
+    `setattr` or a monkeypatch's `setattr` (undone after the test)."""
+    make_loop = run.make_loop
+
+    def make_faulty_loop(*args, **kwargs):
+        loop = make_loop(*args, **kwargs)
+        if nan_step is not None:
+            loop.step_fn = _nan_at(loop.step_fn, nan_step)
+        if signal_step is not None:
+            loop.hooks.insert(0, _signal_at(signal_step, signal_name))
+        return loop
+
+    patch(run, "make_loop", make_faulty_loop)
+
+
+def _from_env() -> None:
+    nan, sig = os.environ.get("CEM_FAULT_NAN_STEP"), os.environ.get("CEM_FAULT_SIGNAL_STEP")
+    if nan or sig:
+        arm(nan_step=int(nan) if nan else None, signal_step=int(sig) if sig else None,
+            signal_name=os.environ.get("CEM_FAULT_SIGNAL", "SIGTERM"))
+
+
+_from_env()
