@@ -34,7 +34,7 @@ def check_field_types(obj: Any) -> None:
         value, kinds = getattr(obj, f.name), str(f.type).replace(" ", "").split("|")
         if value is None and "None" in kinds:
             continue
-        allowed = tuple(t for k in kinds for t in _TYPES.get(k, (object,)))
+        allowed = tuple(t for k in kinds if k != "None" for t in _TYPES.get(k, (object,)))
         ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
         require(ok, f.name, value, f"of type {f.type}")
         require(not isinstance(value, float) or math.isfinite(value), f.name, value,
@@ -103,14 +103,18 @@ def check_module_names(names: Any) -> Sequence[str]:
 def import_modules(names: Sequence[str]) -> None:
     """Import each module of `names` (a config's `imports`: user code that registers what the
     config names, e.g. `cem_jax.energies.register_activation`); a module already imported is
-    not imported again. Raises ValueError naming a module that cannot be found or imported, and
-    why; what the module's own code raises otherwise."""
+    not imported again. Raises ValueError naming a module that cannot be found, or whose code
+    raised while it was imported, and why (one line: `python -c "import NAME"` shows the
+    module's own traceback)."""
     for name in names:
         try:
             importlib.import_module(name)
         except ImportError as err:
             raise ValueError(f"imports: module {name!r} cannot be imported ({err}); install it "
                              f"or put its folder on PYTHONPATH") from None
+        except Exception as err:  # the user's code: one line, and how to see the rest
+            raise ValueError(f"imports: module {name!r} raised {type(err).__name__} when "
+                             f"imported: {err} (python -c 'import {name}' shows where)") from None
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

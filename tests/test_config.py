@@ -130,3 +130,18 @@ def test_an_override_is_read_as_the_type_of_its_field():
     assert (cfg.model.dtype, cfg.data.tokenizer) == ("bfloat16", "  x #y")
     assert load_config(None, ["run.sample_prompt="]).run.sample_prompt == ""
     assert load_section(DataConfig, "data", None, ["corpus=a #b.txt"]).corpus == "a #b.txt"
+
+
+@pytest.mark.parametrize("override", ["run.profile_start=abc", "run.profile_start=2.5",
+                                      "run.eval_batches=abc", "mesh.num_processes=abc",
+                                      "run.init_step=abc", "run.peak_flops=abc"])
+def test_an_optional_number_takes_a_number_or_null(override):
+    """`int | None` and `float | None` fields: null, or a number of their type (a string or a
+    fraction used to pass their type check and fail later, or never)."""
+    from cem_jax.train_config import load_config
+
+    field = override.split("=")[0]
+    with pytest.raises(ValueError, match=f"config field '{field}' = .* it must be of type"):
+        load_config(None, [override])
+    section, name = field.split(".")
+    assert getattr(getattr(load_config(None, [f"{field}=null"]), section), name) is None

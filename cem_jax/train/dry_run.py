@@ -95,8 +95,13 @@ def dry_run(cfg: TrainConfig, echo: Callable[[str], None] = print,
     say(f"FLOPs per step (analytic, train = 3 x forward): {analytic:.4g} = "
         f"{per_token / 1e9:.4g} GFLOPs/token x {B * T:,} tokens; {analytic / devices:.4g} per "
         f"device")
-    note = (f" (XLA counts the layer scan's body once: with model.scan_layers=true this leaves "
-            f"out {m.num_layers - 1} of the {m.num_layers} layers)") if m.scan_layers else ""
+    left_out = ([f"{m.num_layers - 1} of the {m.num_layers} layers (model.scan_layers=true)"]
+                if m.scan_layers else [])
+    chunks = min(m.loss_chunks, T)
+    if chunks > 1:
+        left_out.append(f"{chunks - 1} of the loss's {chunks} chunks (model.loss_chunks)")
+    note = (f" (XLA counts a loop's body once: this leaves out {' and '.join(left_out)})"
+            if left_out else "")
     say("FLOPs per step per device (XLA cost_analysis): "
         + ("not reported by this backend" if xla is None else f"{xla:.4g}{note}"))
     return {"params": counts, "mesh": dict(mesh.shape), "devices": devices, "batch_rows": B,

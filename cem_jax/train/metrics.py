@@ -195,7 +195,8 @@ def open_wandb_run(config: TrainConfig, run_dir: Path, resume_step: int) -> Any:
     logs to on process 0: project `run.wandb_project`, entity `run.wandb_entity`, mode
     `run.wandb_mode` (offline: `wandb sync run_dir/wandb/offline-run-*`), its files in
     `run_dir/wandb`, named as the run directory, the config `config.to_dict()` (as config.yaml
-    holds it). Raises ValueError when wandb is not installed.
+    holds it). Raises ValueError when wandb is not installed, or when W&B refuses the login
+    (no or a bad API key); a network that W&B cannot reach is its CommError (a crash: retried).
 
     Its id is kept in `run_dir/wandb_run_id`: a run resumed from a checkpoint (`resume_step` >
     0) continues the W&B run of that id (`resume="allow"`); a new run, or one started over from
@@ -216,9 +217,14 @@ def open_wandb_run(config: TrainConfig, run_dir: Path, resume_step: int) -> Any:
         run_id = secrets.token_hex(8)
         with atomic_file(id_file) as f:
             f.write(run_id.encode())
-    return wandb.init(project=config.run.wandb_project, entity=config.run.wandb_entity,
-                      mode=config.run.wandb_mode, dir=run_dir, id=run_id,
-                      name=run_dir.resolve().name, resume="allow", config=config.to_dict())
+    try:
+        return wandb.init(project=config.run.wandb_project, entity=config.run.wandb_entity,
+                          mode=config.run.wandb_mode, dir=run_dir, id=run_id,
+                          name=run_dir.resolve().name, resume="allow", config=config.to_dict())
+    except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as err:
+        raise ValueError(f"W&B cannot start (run.wandb_mode = {config.run.wandb_mode!r}): "
+                         f"{str(err).rstrip('.')}; log in (wandb login, or WANDB_API_KEY), or "
+                         f"set run.wandb_mode=offline") from None
 
 
 def logged_records(run_dir: Path) -> list[dict]:

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
-                          report: bool = True) -> None:
+                          report: bool = True) -> TrainConfig:
     """A resumed run keeps the model and data config of its config.yaml (model fields that only
     choose how the same function is computed aside, `cem_jax.config.NOT_IN_MATH`, and data
     fields outside the token stream, `token_stream_fields`: `NOT_IN_TOKEN_STREAM`, and
@@ -31,7 +31,9 @@ def check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
     resume step (ValueError otherwise). A change of any `optimizer` field, of `run.steps` (to
     train longer, say; the optimizer state does not depend on them, `cem_jax.optim`) or
     of the `NOT_IN_MATH` model fields is allowed, and reported when `report` (a run with steps
-    left to train): it applies, learning-rate schedule included, from the resume step on."""
+    left to train): it applies, learning-rate schedule included, from the resume step on.
+    Returns `cfg` with the saved `run.init_from` and `run.init_step`: they say how the run
+    began, which a resume does not change (other ones given are reported, and not used)."""
     if cfg.run.steps < resume_step:
         raise ValueError(f"run.steps = {cfg.run.steps} but the run in {run_dir} has taken "
                          f"{resume_step} steps already; give run.steps >= {resume_step}, or "
@@ -54,6 +56,13 @@ def check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
     if changed and report:
         logger.warning("resuming with changed settings (saved, given): %s; they apply, the "
                        "learning-rate schedule included, from the resume step on", changed)
+    if (ignored := diff("run", ["init_from", "init_step"])) and report:
+        logger.warning("%s resumes from its own checkpoint of step %d: run.init_from and "
+                       "run.init_step start a new run only, so these are not used and its "
+                       "config.yaml keeps the saved ones (saved, given): %s", run_dir,
+                       resume_step, ignored)
+    return dataclasses.replace(cfg, run=dataclasses.replace(
+        cfg.run, init_from=saved_cfg.run.init_from, init_step=saved_cfg.run.init_step))
 
 
 def init_source(cfg: TrainConfig) -> Run:

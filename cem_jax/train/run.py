@@ -9,8 +9,8 @@ A run directory holds config.yaml (resolved), its tokenizer (tokenizer.model, or
 and tokenizer_config.json), metrics.jsonl, tensorboard/ and checkpoints/. Starting in one that
 has a checkpoint resumes from the latest (same model and data sections required); in a finished
 one, it reports the validation the run logged and trains, evaluates and logs nothing. It ends
-with one of the exit statuses of `cem_jax.exits.ExitStatus` and one line saying why (a
-crash: its traceback, then the line): 0 finished, 1 crashed (retry), 2 cannot run as
+with one of the exit statuses of `cem_jax.exits.ExitStatus`, after one line saying why unless it
+finished (a crash: its traceback, then the line): 0 finished, 1 crashed (retry), 2 cannot run as
 configured, 3 diverged, 75 stopped by SIGTERM or SIGINT before its last step (relaunch to
 resume). A signal stops it at a safe point: during start-up with nothing written (a run
 directory it created is removed again), after a step with that step saved, or between
@@ -212,7 +212,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         check_expected_params(cfg)
     cache = use_compilation_cache(cfg.run.compilation_cache, cfg.run.compilation_cache_dir,
                                   cfg.data)  # before anything compiles
-    logger.info("compilation cache: %s", cache or "off (run.compilation_cache=false)")
+    off = "off" if cfg.run.compilation_cache else "off (run.compilation_cache=false)"
+    logger.info("compilation cache: %s", cache or off)
     if cfg.mesh.distributed:
         jax.distributed.initialize(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
                                    cfg.mesh.process_id)
@@ -269,7 +270,7 @@ def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
                                   f"copy it to a writable place and train there, or give "
                                   f"another run.dir")
         if resume_step is not None:
-            check_resumed_config(cfg, run_dir, resume_step, report=finished is None)
+            cfg = check_resumed_config(cfg, run_dir, resume_step, report=finished is None)
         if finished is None and cfg.optimizer.warmup_steps > cfg.run.steps:
             logger.warning("optimizer.warmup_steps = %d is more than run.steps = %d: the warmup "
                            "is cut to %d steps, so the rate reaches optimizer.lr only at the "

@@ -61,9 +61,13 @@ def test_fine_tune_starts_from_the_trained_parameters(tiny_overrides, pretrained
     moved = [float(np.max(np.abs(a - b))) for a, b in
              zip(jax.tree.leaves(tuned.params), jax.tree.leaves(source.params), strict=True)]
     assert max(moved) > 0  # it trained
-    # started again, it resumes its own run (step 3 → 5), not the pretrained one
-    assert train(load_config(None, [*overrides, "run.steps=5"]))["step"] == 5
+    # started again, it resumes its own run (step 3 → 5), not the pretrained one; another
+    # init_from given then is not used, and config.yaml keeps how the run began
+    again = [*overrides, "run.steps=5", f"run.init_from={run_dir}", "run.init_step=null"]
+    assert train(load_config(None, again))["step"] == 5
     assert sorted(train_losses(run_dir)) == [1, 2, 3, 4, 5]
+    kept = load_run(run_dir).config.run
+    assert (kept.init_from, kept.init_step, kept.steps) == (str(pretrained), 6, 5)
 
 
 def test_another_model_or_tokenizer_is_refused(tiny_overrides, pretrained, tmp_path, capsys):

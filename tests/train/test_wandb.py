@@ -85,6 +85,28 @@ def test_a_failed_run_finishes_as_failed_and_a_start_over_is_a_new_wandb_run(
     assert fake.exit_codes == [1, 0]
 
 
+def test_a_refused_login_is_one_line_and_cannot_run(tiny_overrides, tmp_path, monkeypatch,
+                                                   capsys):
+    fake = FakeWandb()
+
+    class UsageError(Exception):
+        pass
+
+    def refuse(**kwargs):
+        raise UsageError("No API key configured. Use `wandb login` to log in.")
+
+    fake.errors = types.SimpleNamespace(UsageError=UsageError, AuthenticationError=UsageError)
+    fake.init = refuse
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    assert main([*tiny_overrides, f"run.dir={tmp_path / 'run'}", "run.steps=2",
+                 "run.wandb_project=cem"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "cem-train: error: W&B cannot start (run.wandb_mode = 'online'): No API key "
+        "configured. Use `wandb login` to log in; log in (wandb login, or WANDB_API_KEY), or "
+        "set run.wandb_mode=offline (exit status 2)"]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_wandb_mode_other_than_online_or_offline_is_refused():
     with pytest.raises(ValueError, match="'run.wandb_mode' = 'disabled'.*'online', 'offline'"):
         load_config(None, ["run.wandb_mode=disabled"])
