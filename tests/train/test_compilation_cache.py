@@ -6,14 +6,16 @@ entries too; a folder that cannot be written is one warning."""
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from train_helpers import train_losses
 
-from cem_jax.data import files
-from cem_jax.train import load_config, main, train
+from cem_jax.compilation_cache import use_compilation_cache
+from cem_jax.data import DataConfig, files
+from cem_jax.train import load_config, train
 
 
 @pytest.fixture
@@ -77,16 +79,13 @@ def test_a_bucket_holds_the_cache(tiny_overrides, tmp_path, gcs_bucket, cache_ev
     assert len(hits) >= 2
 
 
-def test_a_folder_that_cannot_be_written_is_one_warning(tiny_overrides, tmp_path, capsys,
-                                                       cache_everything):
+def test_a_folder_that_cannot_be_written_is_one_warning(tmp_path, caplog, cache_everything):
     (tmp_path / "a_file").write_text("not a folder")
     folder = tmp_path / "a_file" / "xla"
-    assert main([*tiny_overrides, "run.steps=2", f"run.dir={tmp_path / 'run'}",
-                 f"run.compilation_cache_dir={folder}"]) == 0
-    out = capsys.readouterr().out
-    warned = [line for line in out.splitlines() if "cannot be written" in line]
-    assert warned == [f"the compilation cache {folder} cannot be written ([Errno 20] Not a "
-                      f"directory: '{folder}'): compiling without it; set "
-                      f"run.compilation_cache_dir to a writable folder, or "
-                      f"run.compilation_cache=false"], out
+    with caplog.at_level(logging.WARNING, logger="cem_jax.compilation_cache"):
+        assert use_compilation_cache(True, str(folder), DataConfig()) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the compilation cache {folder} cannot be written ([Errno 20] Not a directory: "
+        f"'{folder}'): compiling without it; set run.compilation_cache_dir to a writable "
+        f"folder, or run.compilation_cache=false"]
     assert jax.config.jax_compilation_cache_dir is None

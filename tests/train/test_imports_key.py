@@ -12,6 +12,8 @@ from pathlib import Path
 import yaml
 from train_helpers import REPO, run_cli
 
+from cem_jax.train import main
+
 HERE = Path(__file__).parent
 
 
@@ -45,19 +47,18 @@ def test_a_registered_activation_trains_and_loads_in_a_fresh_process(tiny_overri
     assert "imports: module 'plugin_logcosh' cannot be imported" in sample.stderr
 
 
-def test_an_unknown_or_failing_module_is_one_line(tiny_overrides, tmp_path):
-    result = run_cli([*tiny_overrides, f"run.dir={tmp_path / 'a'}", "imports=[no_such_module]"])
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == [
+def test_an_unknown_or_failing_module_is_one_line(tiny_overrides, tmp_path, capsys,
+                                                  monkeypatch):
+    assert main([*tiny_overrides, f"run.dir={tmp_path / 'a'}", "imports=[no_such_module]"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
         "cem-train: configuration error: imports: module 'no_such_module' cannot be imported "
         "(No module named 'no_such_module'); install it or put its folder on PYTHONPATH "
         "(exit status 2)"]
     (tmp_path / "broken_energies.py").write_text("raise RuntimeError('boom')\n")
-    result = run_cli([*tiny_overrides, f"run.dir={tmp_path / 'b'}", "imports=[broken_energies]"],
-                     env={"PYTHONPATH": os.pathsep.join([str(tmp_path),
-                                                         os.environ.get("PYTHONPATH", "")])})
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == [
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main([*tiny_overrides, f"run.dir={tmp_path / 'b'}",
+                 "imports=[broken_energies]"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
         "cem-train: configuration error: imports: module 'broken_energies' raised RuntimeError "
         "when imported: boom (python -c 'import broken_energies' shows where) (exit status 2)"]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
