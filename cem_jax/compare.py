@@ -233,7 +233,7 @@ def _stem(name: str) -> str:
 
 
 def _tied(model) -> bool:
-    return model.tie_attention or model.tie_mlp
+    return model.kinds != ("llama_attention", "swiglu")
 
 
 def default_baseline(cfgs: Mapping[str, TrainConfig]) -> str:

@@ -20,6 +20,11 @@ ACTIVATION_NAMES = ["silu", "gelu", "relu"]
 IMPLS = ("autodiff", "xla", "pallas", "cudnn", "auto")
 ROPE_TYPES = ("default", "linear", "llama3")
 CUDNN_MAX_HEAD_WIDTH = 256  # cuDNN flash attention's widest head (Hopper, cuDNN 9)
+# The sub-layer kinds by role (`cem_jax.kinds` registers them; `register_kind` adds to these)
+# and the decode caches a kind may keep.
+KIND_NAMES = {"attention": ["cem_attention", "cem_dplr_attention", "llama_attention"],
+              "mlp": ["cem_mlp", "swiglu"]}
+KIND_CACHES = ("none", "keys", "keys_values", "keys_context")
 
 # ModelConfig fields that choose how the same function is computed (a resumed run may change
 # them): the attention implementation, the closed form's query block, rematerialization, the
@@ -68,6 +73,11 @@ class ModelConfig:
     K = `head_dim` (default D // H), F = `mlp_dim`, V = `vocab_size`, L = `num_layers`.
 
     CEM options (DESIGN.md §1):
+      attention_kind, mlp_kind: the sub-layer kinds by name (`cem_jax.kinds`: "cem_attention",
+        "cem_dplr_attention", "llama_attention"; "cem_mlp", "swiglu"; or one registered with
+        `cem_jax.kinds.register_kind` in a module the config's `imports` names). None (the
+        default) picks the built-in one that tie_attention and interaction (tie_mlp) describe;
+        a kind given by name leaves those at their defaults.
       tie_attention: attention as the gradient of the interaction energy (value = key,
         output = query transposed); False gives Llama attention with free Wq, Wk, Wv, Wo.
       tie_mlp: gated MLP as the gradient of the element-wise energy (down = gateᵀ).
@@ -107,6 +117,8 @@ class ModelConfig:
     head_dim: int | None = None
     mlp_dim: int = 704
     activation: str = "silu"
+    attention_kind: str | None = None
+    mlp_kind: str | None = None
     tie_attention: bool = True
     tie_mlp: bool = True
     interaction: str = "lowrank"
@@ -153,6 +165,14 @@ class ModelConfig:
         return RopeScaling(self.rope_type, self.rope_factor, self.rope_low_freq_factor,
                            self.rope_high_freq_factor, self.rope_original_max_position)
 
+    @property
+    def kinds(self) -> tuple[str, str]:
+        """The names of the attention and the MLP sub-layer kinds (`cem_jax.kinds`)."""
+        attention = self.attention_kind or (
+            "llama_attention" if not self.tie_attention else
+            "cem_dplr_attention" if self.interaction == "dplr" else "cem_attention")
+        return attention, self.mlp_kind or ("cem_mlp" if self.tie_mlp else "swiglu")
+
     def validate(self) -> None:
         """Raise `ValueError` naming the first field that is out of range or inconsistent."""
         check_field_types(self)
@@ -197,10 +217,22 @@ class ModelConfig:
         if self.impl == "cudnn":
             require(self.dtype == "bfloat16", "impl", self.impl, "used with dtype='bfloat16' "
                     "(cuDNN's flash attention takes bf16/fp16): set dtype or impl='auto'")
-            require(not (self.tie_attention and self.interaction == "dplr"), "impl", self.impl,
-                    f"not 'cudnn' with interaction='dplr': its heads are K + D = "
-                    f"{self.head_width + self.d_model} wide, cuDNN takes at most "
+            require(self.kinds[0] != "cem_dplr_attention", "impl", self.impl,
+                    f"not 'cudnn' with the cem_dplr_attention kind (interaction='dplr'): its "
+                    f"heads are K + D = {self.head_width + self.d_model} wide, cuDNN takes at most "
                     f"{CUDNN_MAX_HEAD_WIDTH}; use impl='pallas', 'xla' or 'auto'")
+        for role, field, flags in (("attention", "attention_kind",
+                                    ("tie_attention", "interaction")),
+                                   ("mlp", "mlp_kind", ("tie_mlp",))):
+            name = getattr(self, field)
+            if name is None:
+                continue
+            require(name in KIND_NAMES[role], field, name,
+                    f"one of {', '.join(KIND_NAMES[role])} (a kind of your own: register it "
+                    f"with cem_jax.kinds.register_kind in a module the config's imports names)")
+            for flag in flags:
+                require(getattr(self, flag) == getattr(ModelConfig, flag), flag,
+                        getattr(self, flag), f"left at its default when {field} names the kind")
         require(self.interaction == "lowrank" or self.tie_attention, "interaction",
                 self.interaction, "'lowrank' when tie_attention is false (the diagonal term "
                 "belongs to the CEM attention energy)")

@@ -5,13 +5,17 @@ the cache and returns the logits and the cache with those tokens written in. Per
 sub-layer (stacked on leading axes L, then C = the contexts a sub-layer holds: `steps` with
 `recompute_context`, else 1), slot s:
 
-    tied CEM:   key     [L,C,B,G,S,K]  R_p Wk c_s, rotated at the token's position p (values = keys)
-      + DPLR:   context [L,C,B,S,D]    c_s itself, the diagonal head's key and value
-    baseline:   key, value [L,C,B,G,S,K]
+    "keys" (cem_attention):         key [L,C,B,G,S,K]  R_p Wk c_s, rotated at the token's
+                                    position p (values = keys)
+    "keys_context" (+ DPLR):        and context [L,C,B,S,D]  c_s, the diagonal head's key/value
+    "keys_values" (llama_attention): key, value [L,C,B,G,S,K]
+    "none": nothing (a kind whose energy at t reads c_t only)
 
-so a tied low-rank model holds half the bytes of its baseline twin's key/value cache (DPLR adds
-D per position and layer). The MLP is token-wise: it has no cache. With `recompute_context` the
-context of step k ≥ 1 is RMSNorm(xᵏ) of every earlier token, hence one cache per step.
+as each sub-layer kind declares (`cem_jax.kinds.Kind.cache`; `cem_jax.model.init_cache` makes
+one), so a tied low-rank model holds half the bytes of its baseline twin's key/value cache
+(DPLR adds D per position and layer). The MLP is token-wise: it has no cache. With
+`recompute_context` the context of step k ≥ 1 is RMSNorm(xᵏ) of every earlier token, hence one
+cache per step.
 
 Slots and positions are two things. Row b writes its M new tokens at slots `length[b]` …
 `length[b] + M - 1`; RoPE uses the tokens' positions, which restart at 0 where a document starts
@@ -22,13 +26,12 @@ document costs no bytes: the positions say where it starts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:  # config imports updates, which imports this module
-    from cem_jax.config import ModelConfig
+from cem_jax.config import ModelConfig
 
 Array = jax.Array
 
@@ -54,17 +57,6 @@ class Cache(NamedTuple):
 def cache_contexts(cfg: ModelConfig) -> int:
     """C, the contexts an attention sub-layer caches: `steps` with recompute_context, else 1."""
     return cfg.steps if cfg.recompute_context and cfg.steps > 1 else 1
-
-
-def init_cache(cfg: ModelConfig, batch: int, slots: int) -> Cache:
-    """An empty cache of `slots` slots for `batch` rows in `cfg.dtype` (layout: module doc)."""
-    L, C, G, K = cfg.num_layers, cache_contexts(cfg), cfg.kv_heads, cfg.head_width
-    dt = jnp.dtype(cfg.dtype)
-    key = jnp.zeros((L, C, batch, G, slots, K), dt)
-    value = None if cfg.tie_attention else jnp.zeros_like(key)
-    context = (jnp.zeros((L, C, batch, slots, cfg.d_model), dt)
-               if cfg.tie_attention and cfg.interaction == "dplr" else None)
-    return Cache(KVCache(key, value, context), jnp.zeros((batch,), jnp.int32))
 
 
 def cache_bytes(cache: Cache) -> int:

@@ -1,9 +1,9 @@
-"""Flax NNX layers: RMSNorm, CEM (tied) and Llama (untied) attention and gated MLP,
-preconditioners, and the sub-layer / block that run the CEM steps (DESIGN.md §1).
+"""Flax NNX layers: RMSNorm, the parameters of a sub-layer kind, preconditioners, and the
+sub-layer / block that run the CEM steps (DESIGN.md §1).
 
 The modules only hold parameters (with the logical axis names of `cem_jax.sharding`: "vocab",
 "embed", "heads", "kv_heads", "mlp", "norm"; `None` = replicated); the math is the pure
-functions of `cem_jax.energies` and `cem_jax.updates`.
+functions of `cem_jax.kinds`, `cem_jax.energies` and `cem_jax.updates`.
 """
 
 from __future__ import annotations
@@ -15,20 +15,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cem_jax.config import ModelConfig
-from cem_jax.energies import AttentionSpec, get_activation
+from cem_jax.kinds import Context, Kind, build_mixer, get_kind, model_kinds
 from cem_jax.kvcache import Cache, KVCache
-from cem_jax.updates import (
-    Mixer,
-    fold_preconditioner,
-    llama_attention_mixer,
-    precondition,
-    run_steps,
-    swiglu_mixer,
-    tied_attention_mixer,
-    tied_mlp_mixer,
-)
+from cem_jax.updates import fold_preconditioner, precondition, run_steps
 
 Array = jax.Array
+
+
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], *,
           std: float | None = None, value: float = 0.0, dtype=jnp.float32) -> nnx.Param:
     """A parameter with logical axis names: normal(0, std) when `std` is given, else `value`."""
@@ -53,66 +46,24 @@ class RMSNorm(nnx.Module):
                            dtype=jnp.dtype(cfg.param_dtype))
 
 
-class Attention(nnx.Module):
-    """Multi-head / grouped-query attention, tied (CEM) or untied (Llama).
+class KindParams(nnx.Module):
+    """The parameters a sub-layer kind declares (`cem_jax.kinds.Kind.params`), one attribute
+    each under the kind's names (so that checkpoints and exports see e.g. `mixer.query`),
+    created in the kind's order: normal(0, init_std) or the kind's constant."""
 
-    Tied: query Wq [D,H,K], key Wk [D,G,K], and with interaction="dplr" a diagonal d [H,D]
-    (diagonal="per_head") or [D] ("shared"), initialised to 0. Untied adds value Wv [D,G,K] and
-    output Wo [H,K,D]. Weights start normal(0, init_std).
-    """
+    def __init__(self, cfg: ModelConfig, kind: Kind, *, rngs: nnx.Rngs):
+        self.kind = kind.name
+        dt = jnp.dtype(cfg.param_dtype)
+        specs = kind.params(cfg)
+        self.names = tuple(specs)
+        for name, spec in specs.items():
+            setattr(self, name, param(rngs, spec.shape, spec.axes, dtype=dt,
+                                      std=cfg.init_std if spec.init is None else None,
+                                      value=spec.init or 0.0))
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, H, G, K = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_width
-        std, dt = cfg.init_std, jnp.dtype(cfg.param_dtype)
-        self.tied = cfg.tie_attention
-        self.impl = cfg.impl
-        self.spec = AttentionSpec(H, G, K, cfg.position == "rope", cfg.rope_theta,
-                                  cfg.attention_block, cfg.rope_scaling)
-        self.query = param(rngs, (D, H, K), ("embed", "heads", None), std=std, dtype=dt)
-        self.key = param(rngs, (D, G, K), ("embed", "kv_heads", None), std=std, dtype=dt)
-        if not self.tied:
-            self.value = param(rngs, (D, G, K), ("embed", "kv_heads", None), std=std, dtype=dt)
-            self.out = param(rngs, (H, K, D), ("heads", None, "embed"), std=std, dtype=dt)
-        elif cfg.interaction == "dplr":
-            shape, axes = ((H, D), ("heads", "embed")) if cfg.diagonal == "per_head" else \
-                ((D,), ("embed",))
-            self.diag = param(None, shape, axes, value=0.0, dtype=dt)
-
-    def mixer(self, positions: Array | None, segment_ids: Array | None, dtype,
-              out_scale: Array | None = None, cache: Cache | None = None) -> Mixer:
-        """The sub-layer's `Mixer`; `out_scale` folds a preconditioner into the output (Wqᵀ/Wo);
-        `cache` (this layer's `kvcache.Cache`, leaves [C,...]) is the context to read and write."""
-        params = _values(self, ("query", "key", "value", "out", "diag"), dtype)
-        if out_scale is not None:
-            params["out_scale"] = out_scale.astype(dtype)
-        if self.tied:
-            return tied_attention_mixer(params, self.spec, positions, segment_ids, impl=self.impl,
-                                        cache=cache)
-        return llama_attention_mixer(params, self.spec, positions, segment_ids, impl=self.impl,
-                                     cache=cache)
-
-
-class MLP(nnx.Module):
-    """Gated MLP, tied (CEM: gate Wg [D,F] doubles as the down projection Wgᵀ, up Wu [D,F]) or
-    untied (SwiGLU: adds down Wdown [F,D])."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, F, std, dt = cfg.d_model, cfg.mlp_dim, cfg.init_std, jnp.dtype(cfg.param_dtype)
-        self.tied = cfg.tie_mlp
-        self.activation = get_activation(cfg.activation)
-        self.gate = param(rngs, (D, F), ("embed", "mlp"), std=std, dtype=dt)
-        self.up = param(rngs, (D, F), ("embed", "mlp"), std=std, dtype=dt)
-        if not self.tied:
-            self.down = param(rngs, (F, D), ("mlp", "embed"), std=std, dtype=dt)
-
-    def mixer(self, positions: Array | None, segment_ids: Array | None, dtype,
-              out_scale: Array | None = None, cache: Cache | None = None) -> Mixer:
-        """The sub-layer's `Mixer`; `out_scale` folds a preconditioner into the output."""
-        del positions, segment_ids, cache  # token-wise
-        params = _values(self, ("gate", "up", "down"), dtype)
-        if out_scale is not None:
-            params["out_scale"] = out_scale.astype(dtype)
-        return (tied_mlp_mixer if self.tied else swiglu_mixer)(params, self.activation)
+    def values(self, dtype) -> dict[str, Array]:
+        """The parameters by name, cast to the compute dtype."""
+        return _values(self, self.names, dtype)
 
 
 class Preconditioner(nnx.Module):
@@ -141,32 +92,37 @@ class Preconditioner(nnx.Module):
 
 
 class SubLayer(nnx.Module):
-    """Norm + mixer (attention or MLP) + preconditioner, run for `cfg.steps` CEM steps."""
+    """Norm + a sub-layer kind's parameters + preconditioner, run for `cfg.steps` CEM steps."""
 
-    def __init__(self, cfg: ModelConfig, mixer: Attention | MLP, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, kind: Kind, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.norm = RMSNorm(cfg)
-        self.mixer = mixer
+        self.mixer = KindParams(cfg, kind, rngs=rngs)
         self.precond = Preconditioner(cfg, rngs=rngs)
 
     def __call__(self, x: Array, positions: Array | None = None,
                  segment_ids: Array | None = None, *, cache: Cache | None = None,
                  monitor: bool = False):
         """x [B,T,D] → (x after the steps [B,T,D], energies [steps,2,B,T] or None, the
-        updated `KVCache` [C,...] of an attention sub-layer given a `cache`, else None).
+        updated `KVCache` [C,...] of a sub-layer given a `cache`, else None).
 
-        A scalar or diagonal P is folded into the mixer's output projection where that is
-        exact (`updates.fold_preconditioner`): the same update, computed on weights.
+        A scalar or diagonal P is folded into the output projection of a kind that declares
+        `folds_preconditioner`, where that is exact (`updates.fold_preconditioner`): the same
+        update, computed on weights. Any other P is applied to the kind's update.
         """
         cfg = self.cfg
-        out_scale = self.precond.folded(cfg)
-        mixer = self.mixer.mixer(positions, segment_ids, x.dtype, out_scale, cache)
+        kind = get_kind(self.mixer.kind)
+        params = self.mixer.values(x.dtype)
+        out_scale = self.precond.folded(cfg) if kind.folds_preconditioner else None
+        if out_scale is not None:
+            params["out_scale"] = out_scale.astype(x.dtype)
+        mixer = build_mixer(kind, params, Context(cfg, positions, segment_ids, cache))
         precond = self.precond if out_scale is None else lambda u: u
         x, energies, contexts = run_steps(
             x, mixer, norm_scale=self.norm.scale[...], eps=self.norm.eps, precond=precond,
             steps=cfg.steps, impl=cfg.impl, gradient_wrt=cfg.gradient_wrt,
             recompute_context=cfg.recompute_context, monitor=monitor)
-        if cache is None:
+        if cache is None or kind.cache == "none":
             return x, energies, None
         return x, energies, jax.tree.map(lambda *a: jnp.stack(a), *(
             KVCache(ctx.key, ctx.value, ctx.context) for ctx in contexts))
@@ -176,8 +132,9 @@ class Block(nnx.Module):
     """One Transformer block: an attention sub-layer then an MLP sub-layer."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.attention = SubLayer(cfg, Attention(cfg, rngs=rngs), rngs=rngs)
-        self.mlp = SubLayer(cfg, MLP(cfg, rngs=rngs), rngs=rngs)
+        attention, mlp = model_kinds(cfg)
+        self.attention = SubLayer(cfg, attention, rngs=rngs)
+        self.mlp = SubLayer(cfg, mlp, rngs=rngs)
 
     def __call__(self, x: Array, positions: Array | None = None,
                  segment_ids: Array | None = None, *, cache: Cache | None = None,

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cem_jax.config import ModelConfig
-from cem_jax.kvcache import Cache
+from cem_jax.kinds import model_kinds
+from cem_jax.kvcache import Cache, KVCache, cache_contexts
 from cem_jax.layers import Block, RMSNorm, param
 from cem_jax.sharding import constrain
 from cem_jax.updates import dense, rms_norm
@@ -62,7 +63,7 @@ class CEMTransformer(nnx.Module):
         {"attention"|"mlp": fp32 [L, steps, 2, B, T]}: each tied sub-layer's per-token energy
         before and after each step (see `cem_jax.monitor`).
 
-        With a decode `cache` (`cem_jax.kvcache.init_cache`) the T tokens are new ones after
+        With a decode `cache` (`init_cache`) the T tokens are new ones after
         what the cache holds: returns (logits, the cache with them written in, `length` + T).
         Positions then default to length … length+T-1 and say where documents start (a token
         at position p reads the p slots before its own, `cem_jax.kvcache`), so segment_ids must
@@ -135,6 +136,8 @@ def _check_cache(cache: Cache, new: int, segment_ids, return_energies: bool) -> 
                          "must be None) and only logits are computed (return_energies and "
                          "hidden must be False): run the whole sequence without a cache "
                          "instead")
+    if cache.layers.key is None:  # no kind keeps a cache: any number of tokens
+        return
     slots = cache.layers.key.shape[-2]
     try:
         filled = int(jnp.max(cache.length))
@@ -144,6 +147,18 @@ def _check_cache(cache: Cache, new: int, segment_ids, return_energies: bool) -> 
         raise ValueError(f"the decode cache holds {slots} slots per row and {filled} are "
                          f"filled: {new} more tokens do not fit; make it with init_cache(cfg, "
                          f"batch, slots) large enough for the whole sequence")
+
+
+def init_cache(cfg: ModelConfig, batch: int, slots: int) -> Cache:
+    """An empty decode cache of `slots` slots for `batch` rows in `cfg.dtype`, in the layout the
+    attention kind declares (`cem_jax.kinds.Kind.cache`; the shapes: `cem_jax.kvcache`)."""
+    L, C, G, K = cfg.num_layers, cache_contexts(cfg), cfg.kv_heads, cfg.head_width
+    layout, dt = model_kinds(cfg)[0].cache, jnp.dtype(cfg.dtype)
+    key = None if layout == "none" else jnp.zeros((L, C, batch, G, slots, K), dt)
+    value = jnp.zeros_like(key) if layout == "keys_values" else None
+    context = (jnp.zeros((L, C, batch, slots, cfg.d_model), dt) if layout == "keys_context"
+               else None)
+    return Cache(KVCache(key, value, context), jnp.zeros((batch,), jnp.int32))
 
 
 def count_params(model: nnx.Module) -> dict[str, int]:

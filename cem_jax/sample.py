@@ -24,9 +24,9 @@ import numpy as np
 from cem_jax.config import ModelConfig
 from cem_jax.data.pipeline import document_positions
 from cem_jax.evaluate import positive_int
-from cem_jax.kvcache import cache_bytes, init_cache
+from cem_jax.kvcache import cache_bytes
 from cem_jax.memory import check_fits, is_out_of_memory
-from cem_jax.model import model_from_params
+from cem_jax.model import init_cache, model_from_params
 
 Array = jax.Array
 

@@ -44,9 +44,19 @@ def files(tokenizer_file: str) -> tuple[str, ...]:
             *TEMPLATE_FILES, WEIGHTS)
 
 
+# The built-in sub-layer kinds as the flags of the shipped modeling code's config.
+KIND_FLAGS = {"cem_attention": {"tie_attention": True, "interaction": "lowrank"},
+              "cem_dplr_attention": {"tie_attention": True, "interaction": "dplr"},
+              "llama_attention": {"tie_attention": False, "interaction": "lowrank"},
+              "cem_mlp": {"tie_mlp": True}, "swiglu": {"tie_mlp": False}}
+
+
 def hf_config(cfg: ModelConfig, ids: dict) -> dict:
-    """config.json of the `hf` export."""
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in IMPLEMENTATION_FIELDS}
+    """config.json of the `hf` export (the sub-layer kinds as KIND_FLAGS)."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in (*IMPLEMENTATION_FIELDS, "attention_kind", "mlp_kind")}
+    for kind in cfg.kinds:
+        fields |= KIND_FLAGS[kind]
     fields["num_kv_heads"], fields["head_dim"] = cfg.kv_heads, cfg.head_width
     return {"architectures": ["CEMForCausalLM"], "model_type": "cem",
             "auto_map": {"AutoConfig": "configuration_cem.CEMConfig",
@@ -59,9 +69,15 @@ def export_hf(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, out: str | P
     """Write the `hf` export of a model and its tokenizer to directory `out`, atomically;
     config.json's vocab_size is the model's (which may be padded past the tokenizer's, see
     `hf_tokenizer`). Raises ExportError for
-    a model the shipped modeling code cannot run (bfloat16 parameters are exported as they
+    a model the shipped modeling code cannot run (a sub-layer kind of a user's, an activation
+    registered in this process) (bfloat16 parameters are exported as they
     are; the code computes in the parameters' dtype); FileExistsError for an `out` it may not
     replace (`output.check_destination`)."""
+    for kind in cfg.kinds:
+        if kind not in KIND_FLAGS:
+            raise ExportError(f"sub-layer kind {kind!r} is not built in: the hf format's "
+                              f"modeling code runs {', '.join(KIND_FLAGS)} only; export with "
+                              f"--format safetensors")
     if cfg.activation not in ("silu", "gelu", "relu"):
         raise ExportError(f"activation {cfg.activation!r} has no PyTorch counterpart here")
     template = resources.files("cem_jax.export") / "hf_template"

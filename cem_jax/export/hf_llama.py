@@ -42,11 +42,16 @@ def files(tokenizer_file: str) -> tuple[str, ...]:
 def llama_incompatibility(cfg: ModelConfig) -> str | None:
     """Why `cfg` is not a Llama (the features, named), or None if it is one."""
     reasons = []
-    if cfg.tie_attention:
+    attention, mlp = cfg.kinds
+    if attention in ("cem_attention", "cem_dplr_attention"):
         reasons.append("tie_attention=true (CEM attention: value tied to key, output to query; "
                        "with RoPE its values carry relative rotations)")
-    if cfg.tie_mlp:
+    elif attention != "llama_attention":
+        reasons.append(f"attention_kind={attention!r} (a sub-layer kind of your own)")
+    if mlp == "cem_mlp":
         reasons.append("tie_mlp=true (CEM MLP: down projection tied to gateᵀ)")
+    elif mlp != "swiglu":
+        reasons.append(f"mlp_kind={mlp!r} (a sub-layer kind of your own)")
     if cfg.preconditioner != "none":
         reasons.append(f"preconditioner={cfg.preconditioner!r} (a Llama block has P = I)")
     if cfg.steps != 1:

@@ -2,16 +2,11 @@
 Weights & Biases (process 0 only), and the analytic FLOP count behind MFU.
 
 FLOPs (`flops_per_token`): a matmul of an [n,a] by [a,b] costs 2·n·a·b. Per token, forward, with
-D, H, G (key heads), K, F, V, L layers, S = cfg.steps, and N = the sequence length T (attention
-is counted over the full T as in PaLM's MFU, not halved for causality):
+D, F, V, L layers, S = cfg.steps, N = the sequence length T and r the preconditioner's rank:
 
-  attention, tied:   keys 2·D·G·K per context + S × (query 2·D·H·K + scores 2·H·K·N
-                     + p·k 2·H·K·N + output with Wqᵀ 2·H·K·D)
-     DPLR adds per step a width-D head: scores 2·D·N per head (once if shared) + p·c 2·H·D·N
-  attention, untied: keys and values 2·2·D·G·K per context + S × (query, scores, p·v, output)
-  MLP, tied:         up 2·D·F per context + S × (gate 2·D·F + gateᵀ 2·D·F)
-  MLP, untied:       up 2·D·F per context + S × (gate 2·D·F + down 2·F·D)
-  contexts per sub-layer: 1, or S with recompute_context (keys, values and Wu c of every step)
+  each sub-layer:    its kind's (per context, per step) FLOPs (`cem_jax.kinds.kind_flops`: the
+                     built-in kinds' formulas, XLA's cost analysis for a kind without one)
+                     × (contexts, S); contexts: 1, or S with recompute_context
   preconditioner "dplr": S × 2·2·D·r per sub-layer;  output head 2·D·V
   (norms, RoPE, softmax, activations and the embedding lookup are not counted)
 
@@ -37,6 +32,7 @@ from tensorboardX.proto.summary_pb2 import Summary
 
 from cem_jax.config import ModelConfig
 from cem_jax.fileio import atomic_file
+from cem_jax.kinds import kind_flops, model_kinds
 from cem_jax.train_config import TrainConfig
 
 # Peak dense bf16 FLOP/s per device, by whole words of `jax.Device.device_kind` (vendor
@@ -48,20 +44,13 @@ PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> float:
     """Model FLOPs per token of a forward pass (×3 when `training`), by the formula above."""
-    D, H, G, K, F, V, S, N = (cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_width,
-                              cfg.mlp_dim, cfg.vocab_size, cfg.steps, seq_len)
-    per_step = 2 * D * H * K * 2 + 2 * H * K * N * 2
+    S, D = cfg.steps, cfg.d_model
     contexts = S if cfg.recompute_context else 1
-    if cfg.tie_attention:
-        context = 2 * D * G * K
-        if cfg.interaction == "dplr":
-            per_step += 2 * D * N * (H if cfg.diagonal == "per_head" else 1) + 2 * H * D * N
-    else:
-        context = 2 * 2 * D * G * K
-    attention = contexts * context + S * per_step
-    mlp = contexts * 2 * D * F + S * 2 * (2 * D * F)
-    precond = 2 * S * 2 * 2 * D * cfg.preconditioner_rank if cfg.preconditioner == "dplr" else 0
-    forward = cfg.num_layers * (attention + mlp + precond) + 2 * D * V
+    layer = 2 * S * 2 * 2 * D * cfg.preconditioner_rank if cfg.preconditioner == "dplr" else 0
+    for kind in model_kinds(cfg):
+        per_context, per_step = kind_flops(kind, cfg, seq_len)
+        layer += contexts * per_context + S * per_step
+    forward = cfg.num_layers * layer + 2 * D * cfg.vocab_size
     return float(forward * (3 if training else 1))
 
 

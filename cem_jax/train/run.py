@@ -218,7 +218,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         jax.distributed.initialize(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
                                    cfg.mesh.process_id)
     m = cfg.model  # an impl this platform cannot run fails before anything is written
-    attention_impl(m.impl, jnp.dtype(m.dtype), m.head_width, tied=m.tie_attention)
+    attention_impl(m.impl, jnp.dtype(m.dtype), m.head_width, tied=m.kinds[0] != "llama_attention")
     lead = jax.process_index() == 0
     mesh = make_mesh(cfg.mesh)
     check_fits_in_memory(cfg, mesh)  # as the next check, before anything is written

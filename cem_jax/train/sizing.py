@@ -86,8 +86,8 @@ def describe_model(cfg: TrainConfig, say: Callable[[str], None], title: str
     m = cfg.model
     say(title)
     say(f"model: L={m.num_layers} D={m.d_model} H={m.num_heads} G={m.kv_heads} "
-        f"K={m.head_width} F={m.mlp_dim} V={m.vocab_size}; tie_attention={m.tie_attention} "
-        f"tie_mlp={m.tie_mlp} interaction={m.interaction} preconditioner={m.preconditioner} "
+        f"K={m.head_width} F={m.mlp_dim} V={m.vocab_size}; kinds={'+'.join(m.kinds)} "
+        f"preconditioner={m.preconditioner} "
         f"steps={m.steps}; dtype={m.dtype} param_dtype={m.param_dtype} remat={m.remat} "
         f"impl={m.impl}")
     counts = check_expected_params(cfg)

@@ -123,7 +123,8 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
     mesh = AbstractMesh(sizes, MESH_AXES, abstract_device=target.device)
     m = cfg.model
     with jax.sharding.use_abstract_mesh(mesh):
-        core = attention_impl(m.impl, jnp.dtype(m.dtype), m.head_width, tied=m.tie_attention)
+        core = attention_impl(m.impl, jnp.dtype(m.dtype), m.head_width,
+                              tied=m.kinds[0] != "llama_attention")
     if core == "cudnn" and jax.default_backend() != "gpu":
         raise ValueError(f"--target {target.name}: model.impl={m.impl!r} runs cuDNN's flash "
                          f"attention there, which JAX traces only where a GPU and cuDNN are; "

@@ -11,8 +11,8 @@ import pytest
 from decode_helpers import BASELINE, tiny_config
 from helpers import random_params
 
-from cem_jax.kvcache import cache_bytes, init_cache
-from cem_jax.model import model_from_params
+from cem_jax.kvcache import cache_bytes
+from cem_jax.model import init_cache, model_from_params
 from cem_jax.sample import SamplingConfig, generate
 
 PROMPTS = [[3, 5, 7], [3, 9, 1, 2, 4, 6, 8, 10], [3, 11, 12, 13, 14]]  # different lengths

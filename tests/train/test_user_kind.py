@@ -1,0 +1,100 @@
+"""A sub-layer kind of a user's (tests/train/plugin_kind.py, outside cem_jax: parameters and an
+energy, no closed form) is a layer like the built-in ones: its update is -jax.grad of its
+energy, P times that with a preconditioner, cem-train trains and resumes it, a fresh process
+samples from the run, and the hf export refuses it in one line."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import plugin_kind
+import pytest
+import yaml
+from flax import nnx
+from train_helpers import REPO, run_cli, train_losses
+
+from cem_jax.config import ModelConfig
+from cem_jax.kinds import Context, get_kind
+from cem_jax.layers import SubLayer
+from cem_jax.updates import rms_norm
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize("impl", ["xla", "autodiff"])
+@pytest.mark.parametrize("preconditioner,p", [("none", 1.0), ("scalar", 0.05), ("diag", None)])
+def test_the_update_is_p_times_minus_the_energy_gradient(impl, preconditioner, p):
+    cfg = ModelConfig(d_model=16, num_heads=2, mlp_dim=24, mlp_kind="logcosh_pull", impl=impl,
+                      preconditioner=preconditioner)
+    kind = get_kind("logcosh_pull")
+    sub = SubLayer(cfg, kind, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    if preconditioner == "scalar":  # P = softplus(ρ) = 0.05, far from the identity it starts at
+        sub.precond.rho[...] = jnp.asarray(math.log(math.expm1(0.05)))
+    elif preconditioner == "diag":
+        sub.precond.rho[...] = jnp.asarray(rng.normal(size=16) - 2.0, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
+    params = sub.mixer.values(jnp.float32)
+    y = rms_norm(x, sub.norm.scale[...], cfg.norm_eps)
+    oracle = -jax.grad(lambda y_: kind.energy(params, y_, y, Context(cfg)).sum())(y)
+    scale = p if p is not None else jax.nn.softplus(sub.precond.rho[...])
+    got, energies, _ = sub(x, monitor=True)
+    np.testing.assert_allclose(got - x, scale * oracle, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(oracle).max()) > 1e-3  # a real update, not zero
+    # the monitor records the kind's own energy before the step
+    np.testing.assert_allclose(energies[0, 0], kind.energy(params, y, y, Context(cfg)),
+                               rtol=1e-6)
+
+
+def _env() -> dict[str, str]:
+    """PYTHONPATH with this folder first: where the user's module is found."""
+    return {**os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_cem_train_trains_resumes_and_a_fresh_process_samples(tiny_overrides, tmp_path):
+    config = tmp_path / "kind.yaml"
+    config.write_text(yaml.safe_dump({"imports": ["plugin_kind"],
+                                      "model": {"mlp_kind": "logcosh_pull"}}))
+    run_dir = tmp_path / "run"
+    args = ["--config", str(config), *tiny_overrides, f"run.dir={run_dir}",
+            "run.checkpoint_every=3"]
+    result = run_cli([*args, "run.steps=3"], env=_env())
+    assert result.returncode == 0, result.stderr
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["imports"] == ["plugin_kind"]
+    assert saved["model"]["mlp_kind"] == "logcosh_pull"
+    result = run_cli([*args, "run.steps=5"], env=_env())  # resumes from checkpoint 3
+    assert result.returncode == 0, result.stderr
+    losses = train_losses(run_dir)
+    assert sorted(losses) == [1, 2, 3, 4, 5]
+    assert all(np.isfinite(v) for v in losses.values())
+
+    loaded = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from cem_jax.rundir import load_run; run = load_run(sys.argv[1]); "
+         "w = run.params['blocks']['mlp']['mixer']['w']; print(run.config.model.mlp_kind, "
+         "tuple(w.shape))", str(run_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=_env())
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == ["logcosh_pull", "(2,", "32,", "64)"]
+    sample = subprocess.run([sys.executable, "-m", "cem_jax.sample", "--run", str(run_dir),
+                             "--max-new-tokens", "5", "--temperature", "0"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300, env=_env())
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.strip()
+    export = subprocess.run(
+        [sys.executable, "-c", "import sys; from cem_jax.export.cli import main; sys.exit(main())",
+         "--run", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")], cwd=REPO,
+        capture_output=True, text=True, timeout=300, env=_env())
+    assert export.returncode != 0
+    assert "sub-layer kind 'logcosh_pull' is not built in" in export.stderr
+    assert len(export.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "hf").exists()
