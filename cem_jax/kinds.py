@@ -88,15 +88,19 @@ class Kind:
 KINDS: dict[str, Kind] = {}
 
 
-def register_kind(kind: Kind) -> Kind:
+def register_kind(kind: Kind, *, replace: bool = False) -> Kind:
     """Make `kind` selectable by its name in `ModelConfig.attention_kind` (role "attention") or
-    `mlp_kind` (role "mlp"). Returns it. Raises ValueError for a name already registered, an
+    `mlp_kind` (role "mlp"). Returns it. `replace=True` lets a kind of that name be defined again
+    (a notebook cell edited and re-run; models built before use the new one when next traced).
+    Raises ValueError for a name already registered (without replace, or as another role), an
     unknown role or cache, a kind with neither energy nor mixer, a cache without a closed form
     to read it, or an MLP kind with a cache. A registration lives in the process that made it:
     name its module in the config's `imports` (`cem_jax.train_config.TrainConfig`)."""
     problem = None
-    if kind.name in KINDS:
-        problem = "is already registered; pick another name"
+    if kind.name in KINDS and not replace:
+        problem = "is already registered; pick another name (or pass replace=True)"
+    elif kind.name in KINDS and KINDS[kind.name].role != kind.role:
+        problem = f"is already registered as an {KINDS[kind.name].role} kind"
     elif kind.role not in KIND_NAMES:
         problem = f"has role {kind.role!r}; use one of {', '.join(KIND_NAMES)}"
     elif kind.cache not in KIND_CACHES:
