@@ -3,7 +3,7 @@
     state/   params, opt_state, step (orbax StandardSave: sharded arrays, any mesh can restore)
     meta/    the resolved config and the tokenizer's SHA-256 (JSON)
 
-The data position is the step (`cem_jax.data.pipeline`: the global batch of a step is a
+The data position is the step (`cem_jax.data.batches`: the global batch of a step is a
 function of the seed and the step), so a checkpoint holds nothing per process and restores on
 any process count; the `data/` item of older checkpoints (grain iterator files, one per
 process) is not read.

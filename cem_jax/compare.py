@@ -37,41 +37,30 @@ signal of its own. Run again, it reuses finished runs (and the evaluations cache
 analysis.json) and resumes unfinished ones. The overrides apply to every config. A run
 directory holding another run (model, data, optimizer, steps or seed) is refused: use another
 --runs-dir. Whatever follows the END marker in an existing output file (a reading of the
-results) is kept on rewrite. The report itself (tables, intervals, figures) is written by
+results) is kept on rewrite. The runs are trained by `cem_jax.compare_runs` and evaluated by
+`cem_jax.compare_analysis`; the report itself (tables, intervals, figures) is written by
 `cem_jax.compare_report`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import math
 import os
 import shlex
 import signal
-import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
-
 from cem_jax import exits
+from cem_jax.compare_analysis import analyze
 from cem_jax.compare_report import Report, figure_names, figure_path, step_flops
-from cem_jax.data import make_eval_batches
-from cem_jax.evaluate import bits_per_byte_of, evaluate_run, positive_int
-from cem_jax.monitor import descent_statistics, preconditioner_stats
-from cem_jax.rundir import Run, load_run
-from cem_jax.train.metrics import logged_records, logged_values
+from cem_jax.compare_runs import RunSpec, train_one
+from cem_jax.evaluate import positive_int
 from cem_jax.train_config import TrainConfig, load_config
 
 BUDGETS = ("steps", "flops")
-# How a row's note words cem-train's exit status (`cem_jax.exits.ExitStatus`).
-_STATUS_WORDS = {1: "crashed", 2: "cannot run as configured", 3: "diverged",
-                 75: "stopped by a signal: run cem-compare again to resume it"}
+Key = tuple[str, int, int]  # a run's (config stem, steps, seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,6 +69,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = parser.parse_args(argv)
+    paths = _config_paths(parser, args)
+    try:
+        cfgs = {stem: load_config(path, args.overrides) for stem, path in paths.items()}
+        baseline = _stem(args.baseline) if args.baseline else default_baseline(cfgs)
+        plans = _plans(args, cfgs, baseline)  # budget -> {stem: steps}
+        runs = _run_specs(args, paths, plans)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"cem-compare: configuration error: {err}", file=sys.stderr)
+        return 2
+    unwritable = _unwritable(args.out, args.budget)  # found now, not after an hour of training
+    if unwritable:
+        parser.error(unwritable)
+    with exits.caught("cem-compare"):
+        results, stopped = _train_all(runs)
+        if stopped is None:
+            stopped = _analyze_all(args, cfgs, plans, runs, results)
+        if stopped is not None:
+            return stopped
+    report = Report(command="cem-compare " + shlex.join(argv), cfgs=cfgs, baseline=baseline,
+                    seeds=args.seeds, plans=plans, results=results, ood=args.ood,
+                    descent_batches=args.descent_batches)
+    report.write(args.out)
+    print(f"cem-compare: wrote {args.out} and its figures")
+    return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+def _config_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """{stem: file} of --configs, once the arguments that name configs or steps are checked
+    (a bad one ends the command through `parser.error`, status 2)."""
     if 0 in args.recursion_steps:
         parser.error("--recursion-steps: a sub-layer takes at least 1 step, e.g. 1,2,3,4")
     stems = [Path(c).stem for c in args.configs]
@@ -93,55 +111,68 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             parser.error(f"--{flag.replace('_', '-')} {unknown[0]} is not one of --configs "
                          f"(name a config by its file or stem: {', '.join(stems)})")
-    flops_stems = {_stem(n) for n in args.flops_configs or stems}
+    return paths
+
+
+def _plans(args: argparse.Namespace, cfgs: Mapping[str, TrainConfig], baseline: str
+           ) -> dict[str, dict[str, int]]:
+    """{budget: {stem: steps}} for each of --budget (`budget_steps`); the equal-FLOPs table
+    holds --flops-configs (default: all) and the baseline."""
+    flops_stems = {_stem(n) for n in args.flops_configs or cfgs}
+    plans = {}
+    for budget in args.budget:
+        chosen = [s for s in cfgs if budget == "steps" or s in flops_stems or s == baseline]
+        plans[budget] = budget_steps({s: cfgs[s] for s in chosen}, baseline, args.steps, budget)
+    return plans
+
+
+def _run_specs(args: argparse.Namespace, paths: Mapping[str, str],
+               plans: Mapping[str, Mapping[str, int]]) -> dict[Key, RunSpec]:
+    """{(stem, steps, seed): RunSpec} of every run the tables need, in training order (a run
+    two tables share trains once). Raises as `load_config`."""
+    eval_every = args.eval_every or max(1, args.steps // 8)
+    runs = {}
+    for seed in args.seeds:
+        for plan in plans.values():
+            for stem, steps in plan.items():
+                runs.setdefault((stem, steps, seed), RunSpec.make(
+                    stem, paths[stem], steps, seed, eval_every, args.runs_dir, args.overrides))
+    return runs
+
+
+def _train_all(runs: Mapping[Key, RunSpec]) -> tuple[dict[Key, dict], int | None]:
+    """Train the runs in order (`train_one`): (their rows by key, None), or, once a signal
+    stopped one, (the rows so far, `_stopped`'s status)."""
+    results = {}
+    for key, spec in runs.items():
+        results[key] = train_one(spec)
+        if results[key]["stopped"] or exits.received() is not None:
+            return results, _stopped(f"while training {spec.stem} seed {spec.seed} (its "
+                                     f"{Path(results[key]['dir']) / 'train.log'} says what "
+                                     f"it saved)")
+    return results, None
+
+
+def _analyze_all(args: argparse.Namespace, cfgs: Mapping[str, TrainConfig],
+                 plans: Mapping[str, Mapping[str, int]], runs: Mapping[Key, RunSpec],
+                 results: Mapping[Key, dict]) -> int | None:
+    """`analyze` each finished run into its row of `results`: the descent (of the configs
+    with a tied sub-layer) and the recursion (of --recursion-configs) for the first table's
+    runs only. Returns None, or `_stopped`'s status when a signal came first."""
     recursion_stems = {_stem(n) for n in args.recursion_configs or ()}
-    try:
-        cfgs = {stem: load_config(path, args.overrides) for stem, path in paths.items()}
-        baseline = _stem(args.baseline) if args.baseline else default_baseline(cfgs)
-        plans = {}  # budget -> {stem: steps}
-        for budget in args.budget:
-            chosen = [s for s in stems if budget == "steps" or s in flops_stems or s == baseline]
-            plans[budget] = budget_steps({s: cfgs[s] for s in chosen}, baseline, args.steps,
-                                         budget)
-        eval_every = args.eval_every or max(1, args.steps // 8)
-        runs = {}  # (stem, steps, seed) -> RunSpec; a run two tables share trains once
-        for seed in args.seeds:
-            for plan in plans.values():
-                for stem, steps in plan.items():
-                    runs.setdefault((stem, steps, seed), RunSpec.make(
-                        stem, paths[stem], steps, seed, eval_every, args.runs_dir,
-                        args.overrides))
-    except (ValueError, FileNotFoundError) as err:
-        print(f"cem-compare: configuration error: {err}", file=sys.stderr)
-        return 2
-    unwritable = _unwritable(args.out, args.budget)  # found now, not after an hour of training
-    if unwritable:
-        parser.error(unwritable)
-    with exits.caught("cem-compare"):
-        results = {}
-        for key, spec in runs.items():
-            results[key] = train_one(spec)
-            if results[key]["stopped"] or exits.received() is not None:
-                return _stopped(f"while training {spec.stem} seed {spec.seed} (its "
-                                f"{Path(results[key]['dir']) / 'train.log'} says what it saved)")
-        first = next(iter(plans.values()))
-        for (stem, steps, seed), row in results.items():
-            if exits.received() is not None:
-                return _stopped("before the report")
-            if not row["ok"]:
-                continue
-            of_first = first.get(stem) == steps  # descent and recursion: the first table's runs
-            analyze(row, runs[stem, steps, seed].cfg, ood=args.ood,
-                    descent_batches=args.descent_batches
-                    if of_first and _tied(cfgs[stem].model) else 0,
-                    recursion=args.recursion_steps if of_first and stem in recursion_stems
-                    else ())
-    report = Report(command="cem-compare " + shlex.join(argv), cfgs=cfgs, baseline=baseline,
-                    seeds=args.seeds, plans=plans, results=results, ood=args.ood,
-                    descent_batches=args.descent_batches)
-    report.write(args.out)
-    print(f"cem-compare: wrote {args.out} and its figures")
-    return 0 if all(r["ok"] for r in results.values()) else 1
+    first = next(iter(plans.values()))
+    for (stem, steps, seed), row in results.items():
+        if exits.received() is not None:
+            return _stopped("before the report")
+        if not row["ok"]:
+            continue
+        of_first = first.get(stem) == steps  # descent and recursion: the first table's runs
+        analyze(row, runs[stem, steps, seed].cfg, ood=args.ood,
+                descent_batches=args.descent_batches
+                if of_first and _tied(cfgs[stem].model) else 0,
+                recursion=args.recursion_steps if of_first and stem in recursion_stems
+                else ())
+    return None
 
 
 def _stopped(where: str) -> int:
@@ -251,186 +282,6 @@ def budget_steps(cfgs: Mapping[str, TrainConfig], baseline: str, steps: int, bud
         return dict.fromkeys(cfgs, steps)
     target = steps * step_flops(cfgs[baseline])
     return {stem: max(1, round(target / step_flops(cfg))) for stem, cfg in cfgs.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSpec:
-    """One training run: config `stem` (file `path`) for `steps` with `seed`."""
-
-    stem: str
-    path: str
-    steps: int
-    seed: int
-    args: tuple[str, ...]
-    cfg: TrainConfig
-
-    @classmethod
-    def make(cls, stem: str, path: str, steps: int, seed: int, eval_every: int,
-             runs_dir: Path, overrides: Sequence[str]) -> RunSpec:
-        """The run's `cem-train` arguments and resolved config (raises as `load_config`)."""
-        args = ("run.progress=false", *overrides, f"run.steps={steps}",
-                f"run.eval_every={eval_every}", f"run.seed={seed}", f"data.seed={seed}",
-                f"run.dir={runs_dir / stem / f'steps{steps}_seed{seed}'}")
-        return cls(stem, path, steps, seed, args, load_config(path, list(args)))
-
-
-def train_one(spec: RunSpec) -> dict:
-    """Train (or resume, or reuse) one run; returns its result as a dict: "ok", "note",
-    "dir", "seed", "steps", "wall_s" and `read_metrics`' fields."""
-    cfg, run_dir = spec.cfg, Path(spec.cfg.run.dir)
-    row = {"dir": str(run_dir), "seed": spec.seed, "steps": spec.steps, "ok": False, "note": "",
-           "stopped": False}
-    clash = _other_run(run_dir, cfg)
-    if clash:
-        row["note"] = clash
-        print(f"cem-compare: {spec.stem}: {clash}", file=sys.stderr)
-        return row
-    book = run_dir / "compare.json"  # training wall time summed over invocations
-    wall = json.loads(book.read_text())["wall_s"] if book.is_file() else 0.0
-    if not _finished(run_dir, cfg):
-        print(f"cem-compare: training {spec.stem} seed {spec.seed} ({spec.steps} steps) in "
-              f"{run_dir}", flush=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        with open(run_dir / "train.log", "a") as log:
-            status = train_process(["--config", spec.path, *spec.args], log)
-        wall += time.perf_counter() - start
-        book.write_text(json.dumps({"wall_s": wall}))
-        row["stopped"] = status == exits.ExitStatus.STOPPED
-        if status != 0:
-            words = _STATUS_WORDS.get(status, "killed" if status < 0 else "crashed")
-            row["note"] = (f"cem-train exited with status {status} ({words}); see "
-                           f"{run_dir / 'train.log'}")
-            print(f"cem-compare: {spec.stem}: {row['note']}", file=sys.stderr)
-    row.update(read_metrics(run_dir, cfg), wall_s=wall)
-    row["ok"] = not row["note"] and _finished(run_dir, cfg)
-    return row
-
-
-def train_process(argv: list[str], log) -> int:
-    """Run `python -m cem_jax.train ARGV` with its output in the file `log`; returns its exit
-    status (`cem_jax.exits.ExitStatus`, or -N for a kill by signal N). It runs in its own
-    session, and a SIGINT or SIGTERM that cem-compare receives meanwhile is passed on to it (a
-    Ctrl-C in the terminal reaches it once: it stops at a safe point and saves)."""
-    child = subprocess.Popen([sys.executable, "-m", "cem_jax.train", *argv], stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True)
-    with exits.forwarding(child.pid):
-        return child.wait()
-
-
-def read_metrics(run_dir: Path, cfg: TrainConfig) -> dict:
-    """From `metrics.jsonl`: the final validation {"loss", "perplexity", "bits_per_byte"}
-    ("eval", empty if none), the validation curve ("curve": [(step, bits per byte)]) and the
-    median tokens/s of the training log windows after the first tenth of the steps."""
-    by_kind = {"train": {}, "eval": {}}
-    for r in logged_records(run_dir):  # a step logged again after a resume keeps its last
-        by_kind[r["kind"]][r["step"]] = r
-    evals = sorted(by_kind["eval"].items())
-    speeds = [r["tokens_per_s"] for step, r in by_kind["train"].items()
-              if step > cfg.run.steps / 10 and "tokens_per_s" in r]
-    return {"eval": evals[-1][1] if evals else {},
-            "curve": [(step, bits_per_byte_of(r)) for step, r in evals],
-            "tokens_per_s": statistics.median(speeds) if speeds else math.nan}
-
-
-def _finished(run_dir: Path, cfg: TrainConfig) -> bool:
-    """The metrics hold the final validation (written once the last step is done), or, for a
-    run without a validation split, the last step's training record."""
-    kind = "eval" if cfg.data.has_validation else "train"
-    return logged_values(run_dir, cfg.run.steps, kind) is not None
-
-
-def _other_run(run_dir: Path, cfg: TrainConfig) -> str:
-    """Why `run_dir` cannot hold this run ("" if it is new or the same run)."""
-    if not (run_dir / "config.yaml").is_file():
-        return ""
-    saved = load_config(run_dir / "config.yaml").to_dict()
-    new = cfg.to_dict()
-    for section in ("model", "data", "optimizer"):
-        if saved[section] != new[section]:
-            return f"{run_dir} holds a run with another {section} section; use another --runs-dir"
-    for key in ("steps", "seed"):
-        if saved["run"][key] != new["run"][key]:
-            return (f"{run_dir} holds a run with run.{key}={saved['run'][key]}; use another "
-                    f"--runs-dir")
-    return ""
-
-
-# ----------------------------------------------------------------------------------------------
-# Evaluations of a finished run (cached in RUN_DIR/analysis.json)
-# ----------------------------------------------------------------------------------------------
-
-
-def analyze(row: dict, cfg: TrainConfig, *, ood: str, descent_batches: int,
-            recursion: Sequence[int]) -> None:
-    """Add to `row` what is asked of its finished run: "ood" (`evaluate_run` on `ood` unless
-    "none"); "descent" (`descent_statistics` on the first `descent_batches` validation batches,
-    with "tokens" counted) and "precond" (`preconditioner_stats`) unless descent_batches is 0;
-    "recursion": {N: {"bits_per_byte": validation at N steps per sub-layer, "descent": as
-    above at N steps}} for N in `recursion`. Each result is computed once and kept in
-    RUN_DIR/analysis.json; the checkpoint is loaded only when one is missing."""
-    cache = AnalysisCache(Path(row["dir"]))
-    if ood != "none":
-        row["ood"] = cache.get(f"ood:{ood}", lambda run: _evaluate(run, ood))
-    if not cfg.data.has_validation:
-        return
-    batches = max(descent_batches, 1)  # the energies of the recursion table need a sample
-
-    def descent(steps: int) -> dict:
-        return cache.get(f"descent:{batches}:{steps}", lambda run: _descent(run, batches, steps))
-
-    def validation(steps: int) -> float:
-        return cache.get(f"validation@{steps}",
-                         lambda run: bits_per_byte_of(_evaluate(run, None, steps)))
-
-    if descent_batches:
-        row["descent"] = descent(cfg.model.steps)
-        row["precond"] = cache.get("precond", _precond)
-    if recursion:
-        row["recursion"] = {n: {"bits_per_byte": validation(n), "descent": descent(n)}
-                            for n in recursion}
-
-
-class AnalysisCache:
-    """Results by key in RUN_DIR/analysis.json; `get(key, compute)` calls compute(the loaded
-    `cem_jax.rundir.Run`) only for a key it does not hold, and saves the result."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir, self.path = run_dir, run_dir / "analysis.json"
-        self.results = json.loads(self.path.read_text()) if self.path.is_file() else {}
-        self.run = None
-
-    def get(self, key: str, compute: Callable):
-        if key not in self.results:
-            if self.run is None:
-                self.run = load_run(self.run_dir)
-            print(f"cem-compare: {key} of {self.run_dir}", flush=True)
-            self.results[key] = compute(self.run)
-            self.path.write_text(json.dumps(self.results))
-        return self.results[key]
-
-
-def _evaluate(run: Run, text: str | None, steps: int | None = None) -> dict:
-    """`evaluate_run` on the "milton" split, a text (a corpus spec) or, for None, validation."""
-    if text == "milton":
-        return evaluate_run(run, corpus="milton", progress=False, steps=steps)
-    return evaluate_run(run, text, progress=False, steps=steps)
-
-
-def _descent(run: Run, batches: int, steps: int) -> dict:
-    """`descent_statistics` of `run` at `steps` CEM steps per sub-layer on its first `batches`
-    validation batches, as JSON: {kind: {name: [L][steps]}, "tokens": count}."""
-    data = make_eval_batches(run.config.data, run.tokenizer, "validation")
-    sample = [data[i] for i in range(min(batches, len(data)))]
-    model = dataclasses.replace(run.config.model, steps=steps)
-    stats = descent_statistics(model, run.params, sample)
-    return {**{kind: {k: v.tolist() for k, v in s.items()} for kind, s in stats.items()},
-            "tokens": int(sum(np.sum(b["weights"] > 0) for b in sample))}
-
-
-def _precond(run: Run) -> dict:
-    return {kind: {k: v.tolist() for k, v in s.items()}
-            for kind, s in preconditioner_stats(run.model()).items()}
 
 
 if __name__ == "__main__":

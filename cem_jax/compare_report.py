@@ -78,8 +78,9 @@ def figure_names(budgets: Sequence[str]) -> list[str]:
 
 @dataclasses.dataclass
 class Report:
-    """Everything `cem-compare` writes: `results[(stem, steps, seed)]` are `train_one` rows
-    with `analyze`'s additions; `plans[budget]` maps each config of a table to its steps."""
+    """Everything `cem-compare` writes: `results[(stem, steps, seed)]` are the rows of
+    `cem_jax.compare_runs.train_one` with `cem_jax.compare_analysis.analyze`'s additions;
+    `plans[budget]` maps each config of a table to its steps."""
 
     command: str
     cfgs: dict[str, TrainConfig]

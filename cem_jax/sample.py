@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cem_jax.config import ModelConfig
-from cem_jax.data.pipeline import document_positions
+from cem_jax.data.batches import document_positions
 from cem_jax.evaluate import positive_int
 from cem_jax.kvcache import cache_bytes
 from cem_jax.memory import check_fits, is_out_of_memory
@@ -206,24 +206,7 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 def main(argv: Sequence[str] | None = None) -> int:
     """`cem-sample`: print continuations of the prompts; returns the exit status (0 ok,
     1 the run cannot be loaded, 2 bad arguments)."""
-    parser = argparse.ArgumentParser(prog="cem-sample", description="Generate text from a "
-                                     "trained run with a cached, compiled decode loop.")
-    parser.add_argument("--run", required=True, help="run directory")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    parser.add_argument("--prompt", action="append", default=None,
-                        help="prompt text; repeat for a batch (default: one empty prompt)")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-stop-at-eos", action="store_true",
-                        help="keep generating after the end-of-document token")
-    parser.add_argument("--steps", type=positive_int, metavar="N",
-                        help="CEM steps per sub-layer (default: the trained count; the steps "
-                        "share their weights, so a run decodes at any N; the checkpoint is not "
-                        "changed)")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     # the training stack (checkpoint loading) is imported only by the command
     from cem_jax.checkpoint import CheckpointError
     from cem_jax.compilation_cache import use_compilation_cache
@@ -266,6 +249,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text + tok.decode(row[:n]))
         print("-" * 40)
     return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The arguments of `cem-sample`."""
+    parser = argparse.ArgumentParser(prog="cem-sample", description="Generate text from a "
+                                     "trained run with a cached, compiled decode loop.")
+    parser.add_argument("--run", required=True, help="run directory")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="prompt text; repeat for a batch (default: one empty prompt)")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-stop-at-eos", action="store_true",
+                        help="keep generating after the end-of-document token")
+    parser.add_argument("--steps", type=positive_int, metavar="N",
+                        help="CEM steps per sub-layer (default: the trained count; the steps "
+                        "share their weights, so a run decodes at any N; the checkpoint is not "
+                        "changed)")
+    return parser
 
 
 if __name__ == "__main__":

@@ -34,13 +34,13 @@ from cem_jax import exits
 from cem_jax.config import ModelConfig
 from cem_jax.config_files import load_section
 from cem_jax.data import shakespeare, shards
+from cem_jax.data.batches import make_train_iterator
 from cem_jax.data.config import DataConfig, with_vocab_size
 from cem_jax.data.pipeline import (
     build_tokenizer,
     cache_dataset_root,
     fetch_archive,
     load_tokens,
-    make_train_iterator,
     source_of,
 )
 from cem_jax.data.tokenize import tokenize_dataset

@@ -28,7 +28,9 @@ import os
 from collections.abc import Iterator
 
 from cem_jax.data import files, formats, shakespeare
-from cem_jax.data.formats import FORMATS, Document
+from cem_jax.data.formats import FORMATS
+from cem_jax.data.formats_common import Document, decode
+from cem_jax.data.formats_parquet import Part, row_groups
 
 BUILTIN = ("shakespeare", "milton")
 UNIT_BYTES = 64 * 2**20  # a unit of work holds about this much (files are not cut)
@@ -52,7 +54,7 @@ class Unit:
     first: int
     last: int
     size: int
-    part: formats.Part | None = None
+    part: Part | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,12 +124,12 @@ class Source:
     def _row_group_units(self, i: int, index: int) -> list[Unit]:
         """Units of about UNIT_BYTES of text of the row groups of Parquet file `i`."""
         units, start, held = [], 0, 0
-        groups = formats.row_groups(self.files[i], text_column=self.text_column)
+        groups = row_groups(self.files[i], text_column=self.text_column)
         for g, group in enumerate(groups):
             held += group.size
             if held >= UNIT_BYTES or g == len(groups) - 1:
                 units.append(Unit(index + len(units), i, i, held,
-                                  formats.Part(groups[start].start, group.stop, held)))
+                                  Part(groups[start].start, group.stop, held)))
                 start, held = g + 1, 0
         return units
 
@@ -139,8 +141,7 @@ class Source:
             if self.kind in BUILTIN:
                 works = shakespeare.read_works(self.files[0], _folder(self.kind))
                 for work in self.works[u.first:u.last + 1]:
-                    yield Document(work, formats.decode(works[work], work,
-                                                        self.allow_invalid_utf8))
+                    yield Document(work, decode(works[work], work, self.allow_invalid_utf8))
                 continue
             for i in range(u.first, u.last + 1):
                 yield from formats.documents(self.files[i], self._format(i), part=u.part,

@@ -96,7 +96,7 @@ def test_the_flops_budget_passes_each_run_its_steps(tiny_overrides, tmp_path, mo
         calls.append(argv)
         return 1
 
-    monkeypatch.setattr("cem_jax.compare.train_process", fake_train)
+    monkeypatch.setattr("cem_jax.compare_runs.train_process", fake_train)
     configs = {"llama": "model:\n  tie_attention: false\n  tie_mlp: false\n",
                "steps2": "model:\n  steps: 2\n", "dplr": "model:\n  interaction: dplr\n"}
     for name, text in configs.items():
@@ -127,7 +127,7 @@ def test_a_run_killed_mid_write_is_a_failed_row(tiny_overrides, tmp_path, monkey
                                                '{"step": 2, "ki')
         return -9
 
-    monkeypatch.setattr("cem_jax.compare.train_process", killed_train)
+    monkeypatch.setattr("cem_jax.compare_runs.train_process", killed_train)
     (tmp_path / "llama.yaml").write_text("model:\n  tie_attention: false\n  tie_mlp: false\n")
     argv = ["--configs", str(tmp_path / "llama.yaml"), "--steps", "4", "--seeds", "0",
             "--out", str(tmp_path / "r.md"), "--runs-dir", str(tmp_path / "runs"),
@@ -232,7 +232,7 @@ def test_a_run_stopped_by_a_signal_ends_the_comparison_without_a_report(
         calls.append(argv)
         return 75
 
-    monkeypatch.setattr("cem_jax.compare.train_process", stopped_train)
+    monkeypatch.setattr("cem_jax.compare_runs.train_process", stopped_train)
     (tmp_path / "a.yaml").write_text("model:\n  preconditioner: none\n")
     (tmp_path / "b.yaml").write_text("model:\n  preconditioner: diag\n")
     argv = ["--configs", str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"), "--steps", "4",

@@ -1,0 +1,130 @@
+"""The runs of `cem-compare` (`cem_jax.compare`): each config trained for its steps with one seed
+(`RunSpec`) in its own `python -m cem_jax.train` process, in RUNS_DIR/<config stem>/steps<N>_seed<s>
+(its output in train.log there), reused when finished and resumed when not (`train_one`); a
+signal that cem-compare receives meanwhile is passed on to it (`train_process`); and what its
+metrics say (`read_metrics`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from cem_jax import exits
+from cem_jax.evaluate import bits_per_byte_of
+from cem_jax.train.metrics import logged_records, logged_values
+from cem_jax.train_config import TrainConfig, load_config
+
+# How a row's note words cem-train's exit status (`cem_jax.exits.ExitStatus`).
+_STATUS_WORDS = {1: "crashed", 2: "cannot run as configured", 3: "diverged",
+                 75: "stopped by a signal: run cem-compare again to resume it"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One training run: config `stem` (file `path`) for `steps` with `seed`."""
+
+    stem: str
+    path: str
+    steps: int
+    seed: int
+    args: tuple[str, ...]
+    cfg: TrainConfig
+
+    @classmethod
+    def make(cls, stem: str, path: str, steps: int, seed: int, eval_every: int,
+             runs_dir: Path, overrides: Sequence[str]) -> RunSpec:
+        """The run's `cem-train` arguments and resolved config (raises as `load_config`)."""
+        args = ("run.progress=false", *overrides, f"run.steps={steps}",
+                f"run.eval_every={eval_every}", f"run.seed={seed}", f"data.seed={seed}",
+                f"run.dir={runs_dir / stem / f'steps{steps}_seed{seed}'}")
+        return cls(stem, path, steps, seed, args, load_config(path, list(args)))
+
+
+def train_one(spec: RunSpec) -> dict:
+    """Train (or resume, or reuse) one run; returns its result as a dict: "ok", "note",
+    "dir", "seed", "steps", "wall_s" and `read_metrics`' fields."""
+    cfg, run_dir = spec.cfg, Path(spec.cfg.run.dir)
+    row = {"dir": str(run_dir), "seed": spec.seed, "steps": spec.steps, "ok": False, "note": "",
+           "stopped": False}
+    clash = _other_run(run_dir, cfg)
+    if clash:
+        row["note"] = clash
+        print(f"cem-compare: {spec.stem}: {clash}", file=sys.stderr)
+        return row
+    book = run_dir / "compare.json"  # training wall time summed over invocations
+    wall = json.loads(book.read_text())["wall_s"] if book.is_file() else 0.0
+    if not _finished(run_dir, cfg):
+        print(f"cem-compare: training {spec.stem} seed {spec.seed} ({spec.steps} steps) in "
+              f"{run_dir}", flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        with open(run_dir / "train.log", "a") as log:
+            status = train_process(["--config", spec.path, *spec.args], log)
+        wall += time.perf_counter() - start
+        book.write_text(json.dumps({"wall_s": wall}))
+        row["stopped"] = status == exits.ExitStatus.STOPPED
+        if status != 0:
+            words = _STATUS_WORDS.get(status, "killed" if status < 0 else "crashed")
+            row["note"] = (f"cem-train exited with status {status} ({words}); see "
+                           f"{run_dir / 'train.log'}")
+            print(f"cem-compare: {spec.stem}: {row['note']}", file=sys.stderr)
+    row.update(read_metrics(run_dir, cfg), wall_s=wall)
+    row["ok"] = not row["note"] and _finished(run_dir, cfg)
+    return row
+
+
+def train_process(argv: list[str], log) -> int:
+    """Run `python -m cem_jax.train ARGV` with its output in the file `log`; returns its exit
+    status (`cem_jax.exits.ExitStatus`, or -N for a kill by signal N). It runs in its own
+    session, and a SIGINT or SIGTERM that cem-compare receives meanwhile is passed on to it (a
+    Ctrl-C in the terminal reaches it once: it stops at a safe point and saves)."""
+    child = subprocess.Popen([sys.executable, "-m", "cem_jax.train", *argv], stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    with exits.forwarding(child.pid):
+        return child.wait()
+
+
+def read_metrics(run_dir: Path, cfg: TrainConfig) -> dict:
+    """From `metrics.jsonl`: the final validation {"loss", "perplexity", "bits_per_byte"}
+    ("eval", empty if none), the validation curve ("curve": [(step, bits per byte)]) and the
+    median tokens/s of the training log windows after the first tenth of the steps."""
+    by_kind = {"train": {}, "eval": {}}
+    for r in logged_records(run_dir):  # a step logged again after a resume keeps its last
+        by_kind[r["kind"]][r["step"]] = r
+    evals = sorted(by_kind["eval"].items())
+    speeds = [r["tokens_per_s"] for step, r in by_kind["train"].items()
+              if step > cfg.run.steps / 10 and "tokens_per_s" in r]
+    return {"eval": evals[-1][1] if evals else {},
+            "curve": [(step, bits_per_byte_of(r)) for step, r in evals],
+            "tokens_per_s": statistics.median(speeds) if speeds else math.nan}
+
+
+def _finished(run_dir: Path, cfg: TrainConfig) -> bool:
+    """The metrics hold the final validation (written once the last step is done), or, for a
+    run without a validation split, the last step's training record."""
+    kind = "eval" if cfg.data.has_validation else "train"
+    return logged_values(run_dir, cfg.run.steps, kind) is not None
+
+
+def _other_run(run_dir: Path, cfg: TrainConfig) -> str:
+    """Why `run_dir` cannot hold this run ("" if it is new or the same run)."""
+    if not (run_dir / "config.yaml").is_file():
+        return ""
+    saved = load_config(run_dir / "config.yaml").to_dict()
+    new = cfg.to_dict()
+    for section in ("model", "data", "optimizer"):
+        if saved[section] != new[section]:
+            return f"{run_dir} holds a run with another {section} section; use another --runs-dir"
+    for key in ("steps", "seed"):
+        if saved["run"][key] != new["run"][key]:
+            return (f"{run_dir} holds a run with run.{key}={saved['run'][key]}; use another "
+                    f"--runs-dir")
+    return ""
