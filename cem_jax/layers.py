@@ -17,7 +17,8 @@ from flax import nnx
 from cem_jax.config import ModelConfig
 from cem_jax.kinds import Context, Kind, build_mixer, get_kind, model_kinds
 from cem_jax.kvcache import Cache, KVCache
-from cem_jax.updates import fold_preconditioner, precondition, run_steps
+from cem_jax.preconditioners import fold_preconditioner, precondition
+from cem_jax.updates import run_steps
 
 Array = jax.Array
 
@@ -67,8 +68,8 @@ class KindParams(nnx.Module):
 
 
 class Preconditioner(nnx.Module):
-    """P of the CEM step (`updates.precondition`): ρ starts at softplus⁻¹(1) so P starts at I
-    (plus U Uᵀ with U ~ normal(0, init_std) [D,r] for "dplr")."""
+    """P of the CEM step (`preconditioners.precondition`): ρ starts at softplus⁻¹(1) so P
+    starts at I (plus U Uᵀ with U ~ normal(0, init_std) [D,r] for "dplr")."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.kind = cfg.preconditioner
@@ -86,7 +87,7 @@ class Preconditioner(nnx.Module):
 
     def folded(self, cfg: ModelConfig) -> Array | None:
         """P's diagonal to fold into the mixer's output projection, or None
-        (`updates.fold_preconditioner`)."""
+        (`preconditioners.fold_preconditioner`)."""
         return fold_preconditioner(self.kind, _values(self, ("rho",), jnp.float32), cfg.impl,
                                    cfg.gradient_wrt)
 
@@ -107,8 +108,8 @@ class SubLayer(nnx.Module):
         updated `KVCache` [C,...] of a sub-layer given a `cache`, else None).
 
         A scalar or diagonal P is folded into the output projection of a kind that declares
-        `folds_preconditioner`, where that is exact (`updates.fold_preconditioner`): the same
-        update, computed on weights. Any other P is applied to the kind's update.
+        `folds_preconditioner`, where that is exact (`preconditioners.fold_preconditioner`):
+        the same update, computed on weights. Any other P is applied to the kind's update.
         """
         cfg = self.cfg
         kind = get_kind(self.mixer.kind)

@@ -82,12 +82,26 @@ class CEMTransformer(nnx.Module):
         # gather every row's activations when "fsdp" and "tensor" are both > 1).
         table = constrain(self.embed[...].astype(cfg.dtype), "vocab", None)
         x = constrain(table[tokens], "batch", "length", None)
+        x, energies, layers = self._blocks(x, positions, segment_ids, cache, return_energies)
+        h = rms_norm(x, self.final_norm.scale[...], cfg.norm_eps)
+        if hidden:
+            return h
+        logits = dense(h, self.output_head(), preferred_element_type=jnp.float32)
+        logits = constrain(logits, "batch", "length", "vocab")
+        if cache is not None:
+            return logits, Cache(layers, cache.length + tokens.shape[1])
+        return (logits, energies) if return_energies else logits
+
+    def _blocks(self, x: Array, positions, segment_ids, cache: Cache | None, monitor: bool):
+        """x [B,T,D] through the L blocks (scanned or in a loop) → (x, energies stacked on L,
+        the cache's layers with the new tokens written in, or None)."""
+        cfg = self.cfg
 
         def apply(block, x, layer_cache):
             if layer_cache is not None:
                 layer_cache = Cache(layer_cache, cache.length)
             x, energies, layer_cache = block(x, positions, segment_ids, cache=layer_cache,
-                                             monitor=return_energies)
+                                             monitor=monitor)
             return constrain(x, "batch", "length", None), energies, layer_cache
 
         if cfg.remat == "full":
@@ -110,14 +124,7 @@ class CEMTransformer(nnx.Module):
             energies = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
             if layers is not None:
                 layers = jax.tree.map(lambda *a: jnp.stack(a), *written)
-        h = rms_norm(x, self.final_norm.scale[...], cfg.norm_eps)
-        if hidden:
-            return h
-        logits = dense(h, self.output_head(), preferred_element_type=jnp.float32)
-        logits = constrain(logits, "batch", "length", "vocab")
-        if cache is not None:
-            return logits, Cache(layers, cache.length + tokens.shape[1])
-        return (logits, energies) if return_energies else logits
+        return x, energies, layers
 
     def output_head(self) -> Array:
         """The output head [D,V] in `cfg.dtype` (the embedding transposed when
@@ -126,12 +133,12 @@ class CEMTransformer(nnx.Module):
         return head.astype(self.cfg.dtype)
 
 
-def _check_cache(cache: Cache, new: int, segment_ids, return_energies: bool) -> None:
+def _check_cache(cache: Cache, new: int, segment_ids, beyond_logits: bool) -> None:
     """Raise ValueError for a forward a cache cannot serve: segment ids, energies or hidden
     states asked for, or more tokens than its slots hold (checked where the filled length is
     known: outside jit; under jit, size the cache for every token, as `cem_jax.sample.generate`
     does)."""
-    if segment_ids is not None or return_energies:
+    if segment_ids is not None or beyond_logits:
         raise ValueError("with a decode cache, positions mark the documents (segment_ids "
                          "must be None) and only logits are computed (return_energies and "
                          "hidden must be False): run the whole sequence without a cache "

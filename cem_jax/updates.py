@@ -1,5 +1,6 @@
-"""Sub-layer updates: closed forms of the energy gradients, the Llama baseline, preconditioners,
-recursive steps, and the one dispatch point between implementations (DESIGN.md §1–§2).
+"""Sub-layer updates: closed forms of the energy gradients, the Llama baseline, recursive steps,
+and the one dispatch point between implementations (DESIGN.md §1–§2; the preconditioners P are
+`cem_jax.preconditioners`).
 
 A sub-layer with input x⁰ [B,T,D] fixes the context c = RMSNorm(x⁰) and takes `steps` steps
 
@@ -183,6 +184,19 @@ def _query_heads(y: Array, params: dict, spec: AttentionSpec, ctx: AttentionCont
     return q.reshape(B, spec.num_kv_heads, -1, T, spec.head_dim)
 
 
+def _with_diagonal_head(q: Array, k: Array, y: Array, diag: Array, context: Array,
+                        spec: AttentionSpec) -> tuple[Array, Array]:
+    """The DPLR diagonal as a second head concatenated onto the low-rank one: queries
+    [B,G,H/G,T,K] gain d_h ⊙ y [.., D] (d [H,D] per head or [D] shared), keys [B,G,S,K] gain the
+    context c [B,S,D] itself, so one attention gives both (values = keys)."""
+    B, T, D = y.shape
+    G, S = spec.num_kv_heads, k.shape[-2]
+    yd = y[:, None] * diag.reshape(-1, 1, D)  # [B,H or 1,T,D]
+    yd = jnp.broadcast_to(yd, (B, spec.num_heads, T, D)).reshape(B, G, -1, T, D)
+    return (jnp.concatenate([q, yd], axis=-1),
+            jnp.concatenate([k, jnp.broadcast_to(context[:, None], (B, G, S, D))], axis=-1))
+
+
 def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | None,
                          segment_ids: Array | None, *, impl: str = "xla",
                          cache: Cache | None = None) -> Mixer:
@@ -217,16 +231,11 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
                                  context=diag is not None)
 
     def direction(y, ctx):
-        B, T, D = y.shape
-        G, K = spec.num_kv_heads, spec.head_dim
+        B, T, _ = y.shape
+        K = spec.head_dim
         q, k = _query_heads(y, params, spec, ctx), ctx.key
-        if diag is not None:  # the diagonal as a second head: query d_h ⊙ y, key/value c
-            yd = y[:, None] * diag.reshape(-1, 1, D)  # [B,H or 1,T,D]
-            yd = jnp.broadcast_to(yd, (B, spec.num_heads, T, D)).reshape(B, G, -1, T, D)
-            q = jnp.concatenate([q, yd], axis=-1)
-            S = k.shape[-2]
-            k = jnp.concatenate([k, jnp.broadcast_to(ctx.context[:, None], (B, G, S, D))],
-                                axis=-1)
+        if diag is not None:
+            q, k = _with_diagonal_head(q, k, y, diag, ctx.context, spec)
         core = "xla" if cache is not None else attention_impl(impl, q.dtype, q.shape[-1],
                                                                    tied=True)
         if core == "pallas":
@@ -315,43 +324,6 @@ def swiglu_mixer(params: dict, activation: Activation) -> Mixer:
 
 
 # ----------------------------------------------------------------------------------------------
-# Preconditioners: P positive definite by construction.
-# ----------------------------------------------------------------------------------------------
-
-
-def precondition(kind: str, params: dict, u: Array) -> Array:
-    """P·u for u [B,T,D] (DESIGN.md §1, "lightweight preconditioner").
-
-    none: P = I. scalar: P = softplus(ρ)·I, ρ []. diag: P = diag(softplus(ρ)), ρ [D].
-    dplr: P = diag(softplus(ρ)) + U Uᵀ, ρ [D], U [D,r] (positive definite for any U).
-    Raises `ValueError` for an unknown kind.
-    """
-    if kind == "none":
-        return u
-    if kind not in ("scalar", "diag", "dplr"):
-        raise ValueError(f"unknown preconditioner {kind!r}; use none, scalar, diag or dplr")
-    out = jax.nn.softplus(params["rho"]).astype(u.dtype) * u
-    if kind == "dplr":
-        U = params["U"].astype(u.dtype)
-        out = out + dense(dense(u, U), U.T)
-    return out
-
-
-def fold_preconditioner(kind: str, params: dict, impl: str, gradient_wrt: str) -> Array | None:
-    """P's diagonal as fp32 [] (scalar) or [D] (diag) to fold into a mixer's output projection
-    (params["out_scale"]: `diag(s) W u` costs a [D,·] weight scaling instead of a [B,T,D]
-    product and its backward), or None where P cannot be folded: "none" and "dplr", the
-    autodiff oracle (its direction is -∇E, not a projection), and a diagonal P with
-    gradient_wrt="residual" (which does not commute with the RMSNorm VJP applied after).
-    """
-    if kind not in ("scalar", "diag") or impl == "autodiff":
-        return None
-    if kind == "diag" and gradient_wrt == "residual":
-        return None
-    return jax.nn.softplus(params["rho"].astype(jnp.float32))
-
-
-# ----------------------------------------------------------------------------------------------
 # The step loop: the single dispatch point between implementations.
 # ----------------------------------------------------------------------------------------------
 
@@ -363,8 +335,9 @@ def run_steps(x0: Array, mixer: Mixer, *, norm_scale: Array, eps: float,
     """Apply one CEM sub-layer to the residual stream x0 [B,T,D]; returns (x_T, energies,
     contexts).
 
-    precond: u ↦ P·u (`precondition`), or the identity when P is already folded into the
-      mixer's output projection (`fold_preconditioner`, as `layers.SubLayer` does).
+    precond: u ↦ P·u (`cem_jax.preconditioners.precondition`), or the identity when P is already
+      folded into the mixer's output projection (`fold_preconditioner`, as `layers.SubLayer`
+      does).
     impl: "autodiff" uses -jax.grad of `mixer.energy` (mixers without an energy, untied or
       cached, use their direction); every other impl ("xla", "pallas", "cudnn", "auto") is the
       closed form `mixer.direction`, whose attention core the mixer was built with.

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from cem_jax.attention import attend
 from cem_jax.energies import AttentionSpec, get_activation
+from cem_jax.preconditioners import precondition
 from cem_jax.updates import (
-    precondition,
     rms_norm,
     rms_norm_vjp,
     run_steps,

@@ -187,8 +187,7 @@ def from_llama(config: dict, tensors: dict[str, np.ndarray]
                           "(the default): transformers would draw its output head at random; "
                           "set \"tie_word_embeddings\": true in config.json if the head is the "
                           "embedding")
-    H = config["num_attention_heads"]
-    D = config["hidden_size"]
+    H, D = config["num_attention_heads"], config["hidden_size"]
     tied = head is None or (tie and np.array_equal(head, tensors.get("model.embed_tokens.weight")))
     try:
         cfg = ModelConfig(
@@ -201,7 +200,14 @@ def from_llama(config: dict, tensors: dict[str, np.ndarray]
             **llama_rope(config))
     except ConfigFieldError as err:
         raise ExportError(f"cannot import this Llama's config.json: {err}") from None
-    G, K = cfg.kv_heads, cfg.head_width
+    return cfg, _llama_tensors(cfg, tensors, tied)
+
+
+def _llama_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], tied: bool
+                   ) -> dict[str, np.ndarray]:
+    """A Llama state dict under our flat names, fp32 and laid out as our parameters (the
+    output head only when it is not the embedding); ExportError for a missing tensor."""
+    D, H, G, K = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_width
 
     def get(name):
         if name not in tensors:
@@ -226,7 +232,7 @@ def from_llama(config: dict, tensors: dict[str, np.ndarray]
             f"{m}.up": get(f"{theirs}.mlp.up_proj.weight").T,
             f"{m}.down": get(f"{theirs}.mlp.down_proj.weight").T,
         }
-    return cfg, {k: np.ascontiguousarray(v) for k, v in flat.items()}
+    return {k: np.ascontiguousarray(v) for k, v in flat.items()}
 
 
 def export_hf_llama(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,

@@ -32,7 +32,7 @@ import safetensors.numpy
 from cem_jax.fileio import umask_mode
 
 MARKER = ".cem_jax_output"
-RUN_LOCK = ".lock"  # the lock file a running cem-train holds (`cem_jax.train.run`)
+RUN_LOCK = ".lock"  # the lock file a running cem-train holds (`cem_jax.train.lock`)
 # What the outputs of cem_jax before file lists wrote, their marker aside: the `hf` export (the
 # `safetensors` and `hf-llama` exports wrote subsets of it) and cem-import's run directory.
 LEGACY_OUTPUTS = (frozenset({"config.json", "model.safetensors", "tokenizer.model",

@@ -14,13 +14,13 @@ __all__ = ["TrainConfig", "TrainingDiverged", "load_config", "main", "train"]
 
 
 def main(argv=None) -> int:
-    """`cem-train` (`cem_jax.train.run.main`); returns its exit status
+    """`cem-train` (`cem_jax.train.command.main`); returns its exit status
     (`cem_jax.exits.ExitStatus`). SIGINT and SIGTERM are caught from the start: one that
     comes while JAX is imported stops it right after the imports."""
     from cem_jax import exits
 
     with exits.caught("cem-train"):
-        from cem_jax.train.run import main as train_main
+        from cem_jax.train.command import main as train_main
 
         return train_main(argv)
 

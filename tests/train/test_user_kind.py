@@ -98,3 +98,34 @@ def test_cem_train_trains_resumes_and_a_fresh_process_samples(tiny_overrides, tm
     assert "sub-layer kind 'logcosh_pull' is not built in" in export.stderr
     assert len(export.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_readme_kind_trains_a_model_in_a_fresh_process(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    code = "# my_energies.py" + readme.split("```python\n# my_energies.py")[1].split("```")[0]
+    assert len(code.strip().splitlines()) <= 15  # the README's promise: a kind in ≤ 15 lines
+    (tmp_path / "my_energies.py").write_text(code)
+    script = """
+import jax, jax.numpy as jnp, optax
+from flax import nnx
+import my_energies
+from cem_jax import CEMTransformer, ModelConfig
+cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, mlp_dim=48,
+                  mlp_kind="logcosh_pull")
+model = CEMTransformer(cfg, rngs=nnx.Rngs(0))
+tokens = jnp.tile(jnp.arange(17) % 8, (4, 1))
+opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+def loss(m):
+    return optax.softmax_cross_entropy_with_integer_labels(m(tokens[:, :-1]), tokens[:, 1:]).mean()
+first = float(loss(model))
+for _ in range(30):
+    opt.update(model, nnx.grad(loss)(model))
+print(first, float(loss(model)), model.blocks.mlp.mixer.w[...].shape)
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    first, last, shape = result.stdout.split(maxsplit=2)
+    assert float(last) < 0.5 * float(first), result.stdout  # it learns the cycle of 8
+    assert shape.strip() == "(2, 32, 48)"

@@ -1,0 +1,137 @@
+"""`cem-train`: train a CEM (or Llama) language model on a device mesh, resumably.
+
+    cem-train --config configs/shakespeare_cem.yaml run.steps=200 optimizer.lr=3e-3
+    python -m cem_jax.train --config configs/shakespeare_llama.yaml run.dir=runs/llama
+    cem-train --config configs/cem_full_100m.yaml --dry-run   # compile only: memory, FLOPs
+    cem-train --config configs/cem_full_100m.yaml --dry-run --target tpu-v5p-32   # lower only
+
+The command reads the config, then trains (`cem_jax.train.run.train`: what a run directory
+holds, resuming, signals, divergence) or dry-runs (`cem_jax.train.dry_run`). It ends with one of
+the exit statuses of `cem_jax.exits.ExitStatus`, after one line saying why unless it finished (a
+crash: its traceback, then the line): 0 finished, 1 crashed (retry), 2 cannot run as configured,
+3 diverged, 75 stopped by SIGTERM or SIGINT before its last step (relaunch to resume).
+Messages go through `logging` (the "cem_jax" loggers; `cem-train` prints them on stdout, from
+process 0 only, warnings from every process, prefixed with the process index in multi-host
+runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+
+from cem_jax import exits
+from cem_jax.checkpoint import CheckpointError, complete_steps
+from cem_jax.data.shakespeare import FetchError
+from cem_jax.data.tokenizer import FILE_NAMES
+from cem_jax.exits import ExitStatus, StoppedBySignal
+from cem_jax.memory import is_out_of_memory
+from cem_jax.train.dry_run import dry_run
+from cem_jax.train.lock import RunDirInUse
+from cem_jax.train.logs import log_to_stdout
+from cem_jax.train.loop import TrainingDiverged
+from cem_jax.train.run import train
+from cem_jax.train_config import TrainConfig, load_config
+
+# OSErrors that say the run cannot go on as configured (a missing or unreadable file, a full
+# disk; one without errno is one of our own messages); any other (EIO, ENOTCONN: a lost mount)
+# is a crash, retried.
+_CANNOT_RUN_ERRNOS = {None, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
+                      errno.EROFS, errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# What to do when a write in run.dir failed for want of space.
+_DISK_FULL_ADVICE = {errno.ENOSPC: "free space there or give another run.dir",
+                     errno.EDQUOT: "free space in your quota or give another run.dir",
+                     errno.EFBIG: "raise the file size limit (ulimit -f) or give another "
+                                  "run.dir"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `cem-train`; returns its exit status (`ExitStatus`: 0 finished, 1 crashed, 2 cannot
+    run as configured, 3 diverged, 75 stopped by a signal), after one line on stderr saying why
+    it ended (a crash prints its traceback first)."""
+    parser = argparse.ArgumentParser(prog="cem-train", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML config file (default: all defaults)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override config fields, e.g. run.steps=20 optimizer.lr=3e-3")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="compile one train step on abstract inputs and print parameters, "
+                             "mesh, batch, per-device memory and FLOPs; reads no data and "
+                             "writes nothing")
+    parser.add_argument("--target", metavar="NAME",
+                        help="with --dry-run: lower (not compile) the train step for a TPU or "
+                             "GPU topology this host lacks, e.g. tpu-v5p-32, tpu-v6e-16, "
+                             "gpu-h200-8 (cem_jax.train.targets.TARGETS), and print per-device "
+                             "state bytes, shardings and kernels")
+    args = parser.parse_args(argv)
+    if args.target is not None and not args.dry_run:
+        parser.error("--target needs --dry-run (it lowers for the target, it does not train)")
+    log_to_stdout()
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_config_location(args.config, args.overrides, cfg)
+    except (ValueError, FileNotFoundError) as err:
+        return exits.report(ExitStatus.CANNOT_RUN, f"configuration error: {err}")
+    with exits.caught("cem-train"):
+        try:
+            if args.dry_run:
+                dry_run(cfg, target=args.target)
+                exits.check()
+            else:
+                train(cfg)
+        except StoppedBySignal as stop:  # one that says nothing more came before any step
+            where = ("during the dry run" if args.dry_run
+                     else "before the first step; nothing was trained")
+            return exits.report(ExitStatus.STOPPED, str(stop if stop.where else stop.at(where)))
+        except Exception as err:  # every ending is one of the documented statuses
+            return _failed(err, Path(cfg.run.dir))
+    return ExitStatus.FINISHED
+
+
+def _failed(err: Exception, run_dir: Path) -> int:
+    """Print cem-train's last line for the error that ended it (a crash: its traceback first);
+    returns the exit status (`ExitStatus`)."""
+    if isinstance(err, TrainingDiverged):
+        return exits.report(ExitStatus.DIVERGED, f"diverged: {err}")
+    if isinstance(err, OSError) and err.errno in _DISK_FULL_ADVICE:
+        steps = complete_steps(run_dir / "checkpoints")
+        kept = (f"the newest checkpoint, step {steps[-1]}, is kept" if steps
+                else "no checkpoint was written yet")
+        return exits.report(ExitStatus.CANNOT_RUN, f"error: cannot write {err.filename}: "
+                            f"{err.strerror}; {_DISK_FULL_ADVICE[err.errno]} ({kept})")
+    if isinstance(err, jax.errors.JaxRuntimeError) and is_out_of_memory(err):
+        return exits.report(
+            ExitStatus.CANNOT_RUN, f"error: the step needs more memory than the device has "
+            f"({str(err).splitlines()[0]}); lower data.batch_size or data.seq_len, raise "
+            f"optimizer.accumulation_steps or set model.remat=full (`cem-train --dry-run` "
+            f"estimates the activations). Checkpoints already written are kept.")
+    if isinstance(err, (RunDirInUse, CheckpointError, FetchError, ValueError)) or (
+            isinstance(err, OSError) and err.errno in _CANNOT_RUN_ERRNOS):
+        return exits.report(ExitStatus.CANNOT_RUN, f"error: {err}")
+    traceback.print_exception(err)
+    cause = (str(err).splitlines() or [""])[0][:300]
+    return exits.report(ExitStatus.CRASHED, f"crashed: {type(err).__name__}: {cause}")
+
+
+def check_config_location(config: str | None, overrides: Sequence[str],
+                          cfg: TrainConfig) -> None:
+    """A config read from inside a run directory (a config.yaml beside that run's checkpoints,
+    tokenizer or metrics) trains that directory: ValueError when it names another run.dir (the
+    run was moved or copied) and no `run.dir=` override says which one is meant."""
+    if config is None or any(o.startswith("run.dir=") for o in overrides):
+        return
+    path = Path(config)
+    home = path.parent
+    if path.name != "config.yaml" or not any(
+            (home / name).exists() for name in ("checkpoints", *FILE_NAMES.values(),
+                                                "metrics.jsonl")):
+        return
+    if Path(cfg.run.dir).resolve() != home.resolve():
+        raise ValueError(f"{path} is the config of the run directory {home}, but it names "
+                         f"run.dir {cfg.run.dir} (was the run moved or copied?): add "
+                         f"run.dir={home} to train the run in {home}, or run.dir={cfg.run.dir} "
+                         f"to train the one there")
