@@ -55,7 +55,7 @@ def model_step(B=8, T=256):
         graphdef, params = nnx.split(CEMTransformer(cfg, rngs=nnx.Rngs(0)))
 
         def loss(params, graphdef=graphdef):
-            logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+            logits = nnx.merge(graphdef, params)(tokens[:, :-1]).logits
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
         step = jax.jit(jax.grad(loss))

@@ -32,7 +32,7 @@ class WholeLogitsTrainer(Trainer):
     def loss(self, params, batch):
         model = model_from_params(self.model_cfg, params)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+            logits = model(batch["inputs"], batch["positions"], batch["segment_ids"]).logits
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 

@@ -221,6 +221,14 @@ class ModelConfig:
                     f"not 'cudnn' with the cem_dplr_attention kind (interaction='dplr'): its "
                     f"heads are K + D = {self.head_width + self.d_model} wide, cuDNN takes at most "
                     f"{CUDNN_MAX_HEAD_WIDTH}; use impl='pallas', 'xla' or 'auto'")
+        self._check_kinds()
+        require(self.interaction == "lowrank" or self.tie_attention, "interaction",
+                self.interaction, "'lowrank' when tie_attention is false (the diagonal term "
+                "belongs to the CEM attention energy)")
+
+    def _check_kinds(self) -> None:
+        """A kind named by `attention_kind` / `mlp_kind` is registered for its role, and the
+        flags it replaces are left at their defaults."""
         for role, field, flags in (("attention", "attention_kind",
                                     ("tie_attention", "interaction")),
                                    ("mlp", "mlp_kind", ("tie_mlp",))):
@@ -233,9 +241,6 @@ class ModelConfig:
             for flag in flags:
                 require(getattr(self, flag) == getattr(ModelConfig, flag), flag,
                         getattr(self, flag), f"left at its default when {field} names the kind")
-        require(self.interaction == "lowrank" or self.tie_attention, "interaction",
-                self.interaction, "'lowrank' when tie_attention is false (the diagonal term "
-                "belongs to the CEM attention energy)")
 
 
 def load_model_config(path: str | Path | None = None,

@@ -32,7 +32,7 @@ def batch_cross_entropy(cfg: ModelConfig, params: dict, batch: Batch, mesh: jax.
     [B,T,V])."""
     model = model_from_params(cfg, params)  # built outside the mesh: its names are logical
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        h = model(batch["inputs"], batch["positions"], batch["segment_ids"], hidden=True)
+        h = model(batch["inputs"], batch["positions"], batch["segment_ids"], logits=False).hidden
         return cross_entropy(h, model.output_head(), batch["targets"], weights,
                              cfg.loss_chunks)
 

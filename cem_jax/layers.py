@@ -104,8 +104,10 @@ class SubLayer(nnx.Module):
     def __call__(self, x: Array, positions: Array | None = None,
                  segment_ids: Array | None = None, *, cache: Cache | None = None,
                  monitor: bool = False):
-        """x [B,T,D] → (x after the steps [B,T,D], energies [steps,2,B,T] or None, the
-        updated `KVCache` [C,...] of a sub-layer given a `cache`, else None).
+        """x [B,T,D] → (x after the steps [B,T,D], the updated `KVCache` [C,...] of a
+        sub-layer given a `cache`, else None). With `monitor`, a kind with an energy records
+        its per-token energies fp32 [steps,2,B,T] before and after each step (`nnx.sow`,
+        `nnx.Intermediate` "energies"; `cem_jax.model.forward_with_energies`).
 
         A scalar or diagonal P is folded into the output projection of a kind that declares
         `folds_preconditioner`, where that is exact (`preconditioners.fold_preconditioner`):
@@ -123,14 +125,17 @@ class SubLayer(nnx.Module):
             x, mixer, norm_scale=self.norm.scale[...], eps=self.norm.eps, precond=precond,
             steps=cfg.steps, impl=cfg.impl, gradient_wrt=cfg.gradient_wrt,
             recompute_context=cfg.recompute_context, monitor=monitor)
+        if energies is not None:
+            self.sow(nnx.Intermediate, "energies", energies)
         if cache is None or kind.cache == "none":
-            return x, energies, None
-        return x, energies, jax.tree.map(lambda *a: jnp.stack(a), *(
+            return x, None
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *(
             KVCache(ctx.key, ctx.value, ctx.context) for ctx in contexts))
 
 
 class Block(nnx.Module):
-    """One Transformer block: an attention sub-layer then an MLP sub-layer."""
+    """One Transformer block: an attention sub-layer then an MLP sub-layer, of the kinds the
+    config names (`cem_jax.kinds`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         attention, mlp = model_kinds(cfg)
@@ -140,10 +145,8 @@ class Block(nnx.Module):
     def __call__(self, x: Array, positions: Array | None = None,
                  segment_ids: Array | None = None, *, cache: Cache | None = None,
                  monitor: bool = False):
-        """x [B,T,D] → (x [B,T,D], {"attention": energies, "mlp": energies}, the updated
-        attention `KVCache` [C,...] or None) (see SubLayer; `cache` is this layer's)."""
-        x, e_attn, cache = self.attention(x, positions, segment_ids, cache=cache,
-                                          monitor=monitor)
-        x, e_mlp, _ = self.mlp(x, positions, segment_ids, monitor=monitor)
-        energies = {k: v for k, v in (("attention", e_attn), ("mlp", e_mlp)) if v is not None}
-        return x, energies, cache
+        """x [B,T,D] → (x [B,T,D], the updated attention `KVCache` [C,...] or None) (see
+        SubLayer; `cache` is this layer's)."""
+        x, cache = self.attention(x, positions, segment_ids, cache=cache, monitor=monitor)
+        x, _ = self.mlp(x, positions, segment_ids, monitor=monitor)
+        return x, cache

@@ -9,6 +9,7 @@ train steps) the residual stream and the logits are split over the batch axes (`
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,16 @@ from cem_jax.sharding import constrain
 from cem_jax.updates import dense, rms_norm
 
 Array = jax.Array
+
+
+class Output(NamedTuple):
+    """The model's forward: `logits` fp32 [B,T,V] (None when not asked for), `hidden` the final
+    norm's output h [B,T,D] in `cfg.dtype`, and `cache` the decode cache with the new tokens
+    written in (None without one)."""
+
+    logits: Array | None
+    hidden: Array
+    cache: Cache | None
 
 
 class CEMTransformer(nnx.Module):
@@ -53,28 +64,29 @@ class CEMTransformer(nnx.Module):
 
     def __call__(self, tokens: Array, positions: Array | None = None,
                  segment_ids: Array | None = None, *, cache: Cache | None = None,
-                 return_energies: bool = False, hidden: bool = False):
-        """tokens int [B,T] → logits fp32 [B,T,V] (one forward for training and decoding);
-        with `hidden`, the final norm's output h [B,T,D] in `cfg.dtype` instead (logits =
-        h · `output_head()`; the loss takes them in chunks, `cem_jax.loss`).
+                 logits: bool = True, monitor: bool = False) -> Output:
+        """tokens int [B,T] → `Output`: logits fp32 [B,T,V] (None with `logits=False`: the loss
+        takes them from `hidden` in chunks, `cem_jax.loss`), the final norm's output h [B,T,D]
+        in `cfg.dtype` (logits = h · `output_head()`) and, given a decode cache, that cache with
+        the T tokens written in. One forward for training and decoding.
 
         positions int [B,T] (RoPE positions; default 0..T-1), segment_ids int [B,T] (packed
-        documents: attention stays inside a document). With `return_energies`, also returns
-        {"attention"|"mlp": fp32 [L, steps, 2, B, T]}: each tied sub-layer's per-token energy
-        before and after each step (see `cem_jax.monitor`).
+        documents: attention stays inside a document). With `monitor`, every sub-layer that has
+        an energy records it (`nnx.sow` as `nnx.Intermediate` "energies"): run the model under
+        `forward_with_energies` (or `nnx.capture`) to get them.
 
-        With a decode `cache` (`init_cache`) the T tokens are new ones after
-        what the cache holds: returns (logits, the cache with them written in, `length` + T).
-        Positions then default to length … length+T-1 and say where documents start (a token
-        at position p reads the p slots before its own, `cem_jax.kvcache`), so segment_ids must
-        be None; attention over the cache is the closed form whatever `impl` is (the
-        block-causal core and the Pallas kernel serve whole sequences). Energies are not
-        computed against a cache: `return_energies` with a cache raises ValueError, and so do
-        more tokens than the cache's free slots (where the length is concrete, outside jit).
+        With a decode `cache` (`init_cache`) the T tokens are new ones after what the cache
+        holds; the returned cache has `length` + T. Positions then default to length …
+        length+T-1 and say where documents start (a token at position p reads the p slots
+        before its own, `cem_jax.kvcache`), so segment_ids must be None; attention over the
+        cache is the closed form whatever `impl` is (the block-causal core and the Pallas kernel
+        serve whole sequences). Only logits are computed against a cache: `monitor` or
+        `logits=False` with a cache raises ValueError, and so do more tokens than the cache's
+        free slots (where the length is concrete, outside jit).
         """
         cfg = self.cfg
         if cache is not None:
-            _check_cache(cache, tokens.shape[1], segment_ids, return_energies or hidden)
+            _check_cache(cache, tokens.shape[1], segment_ids, monitor or not logits)
         # Under a mesh the residual stream [B,T,D] is pinned to "batch" after the embedding and
         # after every block, and so are the logits [B,T,V] (V split like the head's "vocab"):
         # weights sharded over "fsdp" get gathered, while each device computes its own rows.
@@ -82,49 +94,45 @@ class CEMTransformer(nnx.Module):
         # gather every row's activations when "fsdp" and "tensor" are both > 1).
         table = constrain(self.embed[...].astype(cfg.dtype), "vocab", None)
         x = constrain(table[tokens], "batch", "length", None)
-        x, energies, layers = self._blocks(x, positions, segment_ids, cache, return_energies)
+        x, layers = self._blocks(x, positions, segment_ids, cache, monitor)
         h = rms_norm(x, self.final_norm.scale[...], cfg.norm_eps)
-        if hidden:
-            return h
-        logits = dense(h, self.output_head(), preferred_element_type=jnp.float32)
-        logits = constrain(logits, "batch", "length", "vocab")
-        if cache is not None:
-            return logits, Cache(layers, cache.length + tokens.shape[1])
-        return (logits, energies) if return_energies else logits
+        out = None
+        if logits:
+            out = dense(h, self.output_head(), preferred_element_type=jnp.float32)
+            out = constrain(out, "batch", "length", "vocab")
+        return Output(out, h, None if cache is None else
+                      Cache(layers, cache.length + tokens.shape[1]))
 
     def _blocks(self, x: Array, positions, segment_ids, cache: Cache | None, monitor: bool):
-        """x [B,T,D] through the L blocks (scanned or in a loop) → (x, energies stacked on L,
-        the cache's layers with the new tokens written in, or None)."""
+        """x [B,T,D] through the L blocks (scanned or in a loop) → (x, the cache's layers with
+        the new tokens written in, or None)."""
         cfg = self.cfg
 
         def apply(block, x, layer_cache):
             if layer_cache is not None:
                 layer_cache = Cache(layer_cache, cache.length)
-            x, energies, layer_cache = block(x, positions, segment_ids, cache=layer_cache,
-                                             monitor=monitor)
-            return constrain(x, "batch", "length", None), energies, layer_cache
+            x, layer_cache = block(x, positions, segment_ids, cache=layer_cache, monitor=monitor)
+            return constrain(x, "batch", "length", None), layer_cache
 
         if cfg.remat == "full":
             apply = nnx.remat(apply)
         layers = None if cache is None else cache.layers
         if cfg.scan_layers:
-            @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0, 0))
+            @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
             def scan_blocks(block, x, layer_cache):
                 return apply(block, x, layer_cache)
 
-            x, energies, layers = scan_blocks(self.blocks, x, layers)
+            x, layers = scan_blocks(self.blocks, x, layers)
         else:
-            per_layer, written = [], []
+            written = []
             for i, block in enumerate(self.blocks):
                 layer_cache = None if layers is None else jax.tree.map(lambda a, i=i: a[i],
                                                                        layers)
-                x, e, layer_cache = apply(block, x, layer_cache)
-                per_layer.append(e)
+                x, layer_cache = apply(block, x, layer_cache)
                 written.append(layer_cache)
-            energies = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
             if layers is not None:
                 layers = jax.tree.map(lambda *a: jnp.stack(a), *written)
-        return x, energies, layers
+        return x, layers
 
     def output_head(self) -> Array:
         """The output head [D,V] in `cfg.dtype` (the embedding transposed when
@@ -133,15 +141,33 @@ class CEMTransformer(nnx.Module):
         return head.astype(self.cfg.dtype)
 
 
+def forward_with_energies(model: CEMTransformer, tokens: Array, positions: Array | None = None,
+                          segment_ids: Array | None = None) -> tuple[Output, dict[str, Array]]:
+    """The forward (`CEMTransformer.__call__` with `monitor`) and the energies its sub-layers
+    recorded: {"attention"|"mlp": fp32 [L, steps, 2, B, T]}, each sub-layer's per-token energy
+    before and after each step (see `cem_jax.monitor`); a part with no energy (untied Llama) is
+    absent. Works inside jit."""
+    out, sown = nnx.capture(model, nnx.Intermediate)(tokens, positions, segment_ids,
+                                                     monitor=True)
+    layers: dict[str, dict[int, Array]] = defaultdict(dict)
+    for path, value in nnx.to_flat_state(sown):
+        part, (energies,) = str(path[-2]), value.get_value()
+        layers[part][int(path[1]) if len(path) == 4 else 0] = energies
+    stacked = {part: (by_layer[0] if model.cfg.scan_layers else
+                      jnp.stack([by_layer[i] for i in sorted(by_layer)]))
+               for part, by_layer in layers.items()}
+    return out, stacked
+
+
 def _check_cache(cache: Cache, new: int, segment_ids, beyond_logits: bool) -> None:
-    """Raise ValueError for a forward a cache cannot serve: segment ids, energies or hidden
-    states asked for, or more tokens than its slots hold (checked where the filled length is
-    known: outside jit; under jit, size the cache for every token, as `cem_jax.sample.generate`
-    does)."""
+    """Raise ValueError for a forward a cache cannot serve: segment ids, energies asked for or
+    logits not (`beyond_logits`), or more tokens than its slots hold (checked where the filled
+    length is known: outside jit; under jit, size the cache for every token, as
+    `cem_jax.sample.generate` does)."""
     if segment_ids is not None or beyond_logits:
         raise ValueError("with a decode cache, positions mark the documents (segment_ids "
-                         "must be None) and only logits are computed (return_energies and "
-                         "hidden must be False): run the whole sequence without a cache "
+                         "must be None) and only logits are computed (monitor must be False, "
+                         "logits True): run the whole sequence without a cache "
                          "instead")
     if cache.layers.key is None:  # no kind keeps a cache: any number of tokens
         return

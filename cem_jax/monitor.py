@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cem_jax.config import ModelConfig
-from cem_jax.model import CEMTransformer, model_from_params
+from cem_jax.model import CEMTransformer, forward_with_energies, model_from_params
 
 Array = jax.Array
 
@@ -58,7 +58,7 @@ def energy_monitor(model: CEMTransformer, tokens: Array, positions: Array | None
     With `gradient_wrt="residual"` and a small enough step, after < before at every step; the
     default update (the y-gradient applied to x) is not guaranteed to descend (DESIGN.md §1).
     """
-    _, energies = model(tokens, positions, segment_ids, return_energies=True)
+    _, energies = forward_with_energies(model, tokens, positions, segment_ids)
     sums = _masked_sums(energies, jnp.ones(tokens.shape, bool))
     return _means(jax.tree.map(lambda a: np.asarray(a, np.float64), sums), tokens.size)
 
@@ -74,9 +74,9 @@ def descent_statistics(cfg: ModelConfig, params: dict, batches: Iterable[dict]
     (means over the counted tokens; "down": the fraction whose energy went down across step k
     of layer l). Raises ValueError if the batches count no token.
     """
-    step = jax.jit(lambda params, batch: _masked_sums(model_from_params(cfg, params)(
-        batch["inputs"], batch["positions"], batch["segment_ids"], return_energies=True)[1],
-        batch["weights"] > 0))
+    step = jax.jit(lambda params, batch: _masked_sums(forward_with_energies(
+        model_from_params(cfg, params), batch["inputs"], batch["positions"],
+        batch["segment_ids"])[1], batch["weights"] > 0))
     sums, count = None, 0
     for batch in batches:
         tokens = int(np.sum(np.asarray(batch["weights"]) > 0))

@@ -4,7 +4,7 @@ one checkpoint `RUN_DIR/checkpoints/<step>/state` (written by
 `cem_jax.checkpoint.Checkpointer`).
 
     run = load_run("runs/cem")             # newest checkpoint
-    logits = run.model()(tokens)           # the CEMTransformer holding the checkpoint
+    logits = run.model()(tokens).logits    # the CEMTransformer holding the checkpoint
 
 Reading a run restores the parameters only (an orbax partial restore onto the host: no
 optimizer state, no `Trainer`); `write_run`, which makes a resumable run, adds a fresh optimizer

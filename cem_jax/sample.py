@@ -106,7 +106,8 @@ def _decode(params, prompts, positions, lengths, options, cfg: ModelConfig, max_
     temperature, top_k, top_p, eos_id, stop_at_eos, pad_id, seed, vocab_size = options
 
     def model(tokens, positions, cache):  # built where it runs (NNX modules hold no outer tracer)
-        logits, cache = model_from_params(cfg, params)(tokens, positions, cache=cache)
+        out = model_from_params(cfg, params)(tokens, positions, cache=cache)
+        logits, cache = out.logits, out.cache
         valid = jnp.arange(logits.shape[-1]) < vocab_size  # ids the tokenizer has
         return jnp.where(valid, logits, -jnp.inf), cache
 

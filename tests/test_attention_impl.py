@@ -85,7 +85,7 @@ def test_auto_on_this_cpu_is_the_xla_model_bit_for_bit():
                   tie_attention=tied, tie_mlp=tied)
         params = nnx.to_pure_dict(nnx.state(CEMTransformer(ModelConfig(**kw),
                                                            rngs=nnx.Rngs(0))))
-        logits = {impl: model_from_params(ModelConfig(**kw, impl=impl), params)(tokens)
+        logits = {impl: model_from_params(ModelConfig(**kw, impl=impl), params)(tokens).logits
                   for impl in ("xla", "auto")}
         np.testing.assert_array_equal(logits["auto"], logits["xla"])
 
@@ -113,7 +113,7 @@ def test_cudnn_matches_xla_on_a_gpu(tied):
 
     def loss(params, impl):
         logits = model_from_params(ModelConfig(**kw, impl=impl), params)(
-            tokens[:, :-1], positions, segments)
+            tokens[:, :-1], positions, segments).logits
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     (want, g_want), (got, g_got) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(

@@ -145,3 +145,19 @@ def test_an_optional_number_takes_a_number_or_null(override):
         load_config(None, [override])
     section, name = field.split(".")
     assert getattr(getattr(load_config(None, [f"{field}=null"]), section), name) is None
+
+
+def test_kinds_are_chosen_by_name_or_by_the_flags():
+    assert ModelConfig().kinds == ("cem_attention", "cem_mlp")
+    assert ModelConfig(interaction="dplr").kinds == ("cem_dplr_attention", "cem_mlp")
+    assert ModelConfig(tie_attention=False, tie_mlp=False).kinds == ("llama_attention", "swiglu")
+    assert ModelConfig(attention_kind="llama_attention", mlp_kind="swiglu").kinds == (
+        "llama_attention", "swiglu")
+    with pytest.raises(ValueError, match="'attention_kind' = 'nope'.*one of cem_attention, "
+                                         "cem_dplr_attention, llama_attention"):
+        ModelConfig(attention_kind="nope")
+    with pytest.raises(ValueError, match="'mlp_kind' = 'cem_attention'"):
+        ModelConfig(mlp_kind="cem_attention")  # an attention kind in the MLP's place
+    with pytest.raises(ValueError, match="'tie_mlp' = False .* left at its default when "
+                                         "mlp_kind names the kind"):
+        ModelConfig(mlp_kind="swiglu", tie_mlp=False)

@@ -183,17 +183,18 @@ def test_scaled_rope_reaches_every_attention_path(tie_attention):
     scaled = dict(rope_type="llama3", rope_factor=8.0, rope_original_max_position=16)
     params = random_params(ModelConfig(**base))
     tokens = jnp.asarray([[3, 17, 50, 9, 4, 61, 8, 20, 33, 5, 60, 11, 2, 40]])
-    logits = {impl: model_from_params(ModelConfig(**base, **scaled, impl=impl), params)(tokens)
+    logits = {impl: model_from_params(ModelConfig(**base, **scaled, impl=impl),
+                                      params)(tokens).logits
               for impl in (("xla", "autodiff") if tie_attention else ("xla",))}
     for got in logits.values():
         assert_close_to_scale(got, logits["xla"], 1e-5)
-    plain = model_from_params(ModelConfig(**base), params)(tokens)
+    plain = model_from_params(ModelConfig(**base), params)(tokens).logits
     assert np.abs(np.asarray(plain - logits["xla"])).max() > 0.1
     cfg = ModelConfig(**base, **scaled)
     out = generate(params, cfg, [list(tokens[0, :6])],
                    SamplingConfig(max_new_tokens=4, temperature=0.0))
     sequence = jnp.asarray([list(tokens[0, :6]) + list(out.tokens[0])])
-    full = model_from_params(cfg, params)(sequence)[0, 5:-1].argmax(-1)
+    full = model_from_params(cfg, params)(sequence).logits[0, 5:-1].argmax(-1)
     assert list(full) == list(out.tokens[0])
 
 

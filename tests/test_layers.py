@@ -1,5 +1,7 @@
-"""CEM blocks against Llama blocks built from the same (tied) weights; parameter counts."""
+"""CEM blocks against Llama blocks built from the same (tied) weights; parameter counts; what the
+registry of sub-layer kinds refuses, and the built-in kinds' FLOPs against XLA's count."""
 
+import dataclasses
 import math
 
 import jax
@@ -10,6 +12,7 @@ from flax import nnx
 from helpers import assert_close_to_scale, rotation_matrix
 
 from cem_jax.config import ModelConfig
+from cem_jax.kinds import KINDS, Kind, Param, get_kind, kind_flops, register_kind
 from cem_jax.layers import Block
 from cem_jax.model import CEMTransformer, count_params
 
@@ -90,3 +93,29 @@ def test_parameter_counts_tied_attention_half_tied_mlp_two_thirds():
     dplr = counts(interaction="dplr", preconditioner="dplr", preconditioner_rank=3)
     assert dplr["attention"] == 2 * (16 * 4 * (4 + 4) + 4 * 16)
     assert dplr["preconditioner"] == 2 * 2 * (16 + 16 * 3)
+
+
+def test_register_kind_refuses_what_cannot_be_a_layer():
+    params = lambda cfg: {"w": Param((cfg.d_model,), ("embed",))}  # noqa: E731
+    energy = lambda p, y, c, ctx: jnp.sum(y * p["w"] * c, -1)  # noqa: E731
+    with pytest.raises(ValueError, match="'cem_mlp' is already registered"):
+        register_kind(Kind("cem_mlp", "mlp", params, energy))
+    with pytest.raises(ValueError, match="role 'ffn'; use one of attention, mlp"):
+        register_kind(Kind("k1", "ffn", params, energy))
+    with pytest.raises(ValueError, match="neither an energy nor a mixer"):
+        register_kind(Kind("k2", "mlp", params))
+    with pytest.raises(ValueError, match="declares cache 'keys' but no mixer"):
+        register_kind(Kind("k3", "attention", params, energy, cache="keys"))
+    with pytest.raises(ValueError, match="already registered as an attention kind"):
+        register_kind(Kind("cem_attention", "mlp", params, energy), replace=True)
+    assert not {"k1", "k2", "k3"} & set(KINDS)
+
+
+def test_the_built_in_kinds_flops_are_the_cost_analysis_of_their_step():
+    # the analytic counts (MFU's) against XLA's count of one closed-form step, T = 64
+    cfg = ModelConfig(d_model=64, num_heads=4, mlp_dim=96, attention_block=64)
+    for name in ("cem_mlp", "swiglu"):
+        kind = get_kind(name)
+        per_context, per_step = kind_flops(kind, cfg, 64)
+        measured = kind_flops(dataclasses.replace(kind, flops=None), cfg, 64)[1]
+        assert abs(per_context + per_step - measured) <= 0.05 * measured, (name, measured)

@@ -76,7 +76,7 @@ def _batch(seed: int = 0) -> dict[str, jax.Array]:
 
 def _whole_logits_loss(cfg: ModelConfig, params: dict, batch) -> jax.Array:
     logits = model_from_params(cfg, params)(batch["inputs"], batch["positions"],
-                                            batch["segment_ids"])
+                                            batch["segment_ids"]).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 from helpers import assert_close_to_scale, random_params
 
 from cem_jax.config import ModelConfig
-from cem_jax.model import CEMTransformer
+from cem_jax.model import CEMTransformer, forward_with_energies
 from cem_jax.monitor import descent_statistics, energy_monitor, preconditioner_stats
 
 SMALL = dict(vocab_size=40, d_model=16, num_layers=2, num_heads=4, mlp_dim=24, init_std=0.2,
@@ -50,11 +50,11 @@ def random_model(**kw):
 
 @nnx.jit
 def forward(m, tokens):
-    return m(tokens)
+    return m(tokens).logits
 
 
 def loss_fn(m, tokens):
-    logits = m(tokens[:, :-1])
+    logits = m(tokens[:, :-1]).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
@@ -63,7 +63,7 @@ value_and_grad = nnx.jit(nnx.value_and_grad(loss_fn))
 
 @nnx.jit
 def energies(m, tokens, positions, segment_ids):
-    return m(tokens, positions, segment_ids, return_energies=True)[1]
+    return forward_with_energies(m, tokens, positions, segment_ids)[1]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
@@ -80,10 +80,10 @@ def test_documents_do_not_see_each_other():
     m = model(interaction="dplr", steps=2)
     seg = jnp.array([[1] * 4 + [2] * 6] * 2)
     pos = jnp.array([list(range(4)) + list(range(6))] * 2)
-    logits = m(TOKENS, pos, seg)
+    logits = m(TOKENS, pos, seg).logits
     other = TOKENS.at[:, :4].set((TOKENS[:, :4] + 3) % 40)
-    np.testing.assert_allclose(m(other, pos, seg)[:, 4:], logits[:, 4:], atol=1e-6)
-    alone = m(TOKENS[:, 4:])  # the second document on its own: positions 0..5
+    np.testing.assert_allclose(m(other, pos, seg).logits[:, 4:], logits[:, 4:], atol=1e-6)
+    alone = m(TOKENS[:, 4:]).logits  # the second document on its own: positions 0..5
     np.testing.assert_allclose(alone, logits[:, 4:], atol=1e-5)
 
 
@@ -132,8 +132,8 @@ def test_scanned_unscanned_and_remat_models_agree():
 
 
 def test_bfloat16_compute_tracks_float32():
-    logits32 = model(interaction="dplr")(TOKENS)
-    logits16 = model(interaction="dplr", dtype="bfloat16")(TOKENS)
+    logits32 = model(interaction="dplr")(TOKENS).logits
+    logits16 = model(interaction="dplr", dtype="bfloat16")(TOKENS).logits
     assert logits16.dtype == jnp.float32
     assert_close_to_scale(logits16, logits32, 3e-2)
 

@@ -50,7 +50,7 @@ def test_hf_logits_and_greedy_generation_equal_ours(tmp_path, tokenizer, name):
     assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] \
         == "modeling_cem.CEMForCausalLM"
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)  # we wrote it
-    ours = np.asarray(model_from_params(cfg, params)(IDS))
+    ours = np.asarray(model_from_params(cfg, params)(IDS).logits)
     assert np.abs(ours).max() > 1.0
     np.testing.assert_allclose(torch_logits(model, IDS), ours, atol=1e-4, rtol=0)
     prompt = IDS[:, :5]

@@ -48,7 +48,7 @@ def test_llama_logits_equal_ours_and_import_back(tmp_path, tokenizer, tie_embedd
     llama = LlamaForCausalLM.from_pretrained(out)
     assert llama.config.num_key_value_heads == 2
     assert llama.config.rope_parameters["rope_type"] == cfg.rope_type
-    ours = np.asarray(model_from_params(cfg, params)(IDS))
+    ours = np.asarray(model_from_params(cfg, params)(IDS).logits)
     assert np.abs(ours).max() > 1.0
     np.testing.assert_allclose(torch_logits(llama, IDS), ours, atol=1e-4, rtol=0)
     assert from_llama(*read_llama_dir(out))[0] == cfg
@@ -124,7 +124,7 @@ def test_every_llama_config_form_imports_to_the_function_transformers_computes(t
     cfg, flat = from_llama(*read_llama_dir(directory))
     assert {k: getattr(cfg, k) for k in rope} == rope and cfg.tie_embeddings == tied
     assert cfg.kv_heads == 2 and cfg.head_width == 8
-    ours = np.asarray(model_from_params(cfg, unflat_params(flat, cfg))(IDS))
+    ours = np.asarray(model_from_params(cfg, unflat_params(flat, cfg))(IDS).logits)
     theirs = torch_logits(LlamaForCausalLM.from_pretrained(directory), IDS)
     assert np.abs(ours).max() > 1.0
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
@@ -138,7 +138,7 @@ def test_a_bfloat16_llama_imports(tmp_path):
 
     directory = _llama_dir(tmp_path / "hf", {"dtype": "bfloat16"}, dtype="bfloat16")
     cfg, flat = from_llama(*read_llama_dir(directory))
-    ours = np.asarray(model_from_params(cfg, unflat_params(flat, cfg))(IDS))
+    ours = np.asarray(model_from_params(cfg, unflat_params(flat, cfg))(IDS).logits)
     theirs = torch_logits(LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32), IDS)
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
@@ -202,10 +202,10 @@ def test_a_llama_whose_embedding_is_padded_past_its_tokenizer_imports(tmp_path, 
     assert (run.config.model.vocab_size, run.tokenizer.vocab_size) == (448, 400)
     assert (run.config.data.vocab_size, run.config.data.tokenizer) == (
         None, str(tmp_path / "run" / "tokenizer.model"))
-    np.testing.assert_allclose(np.asarray(run.model()(IDS)),
+    np.testing.assert_allclose(np.asarray(run.model()(IDS).logits),
                                torch_logits(LlamaForCausalLM.from_pretrained(hf), IDS),
                                atol=1e-4, rtol=0)
-    assert run.model()(IDS).shape == (1, IDS.shape[1], 448)
+    assert run.model()(IDS).logits.shape == (1, IDS.shape[1], 448)
 
 
 def test_a_llama_with_a_tokenizer_json_imports(tmp_path, corpus, json_tokenizer):
@@ -274,7 +274,7 @@ def test_import_then_export_is_exact(tmp_path, corpus):
     run = load_run(tmp_path / "run")
     assert run.step == 0 and run.config.model.rope_theta == 1000.0
     assert run.config.model.kv_heads == 2 and not run.config.model.tie_attention
-    np.testing.assert_allclose(np.asarray(run.model()(IDS)), torch_logits(llama, IDS),
+    np.testing.assert_allclose(np.asarray(run.model()(IDS).logits), torch_logits(llama, IDS),
                                atol=1e-4, rtol=0)
     export_hf_llama(run.params, run.config.model, run.tokenizer, tmp_path / "out")
     original = safetensors.numpy.load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -52,7 +52,7 @@ def test_cem_eval_on_a_text_file(make_run, tmp_path, capsys, kind):
     result = evaluate.evaluate_run(load_run(run_dir), str(tmp_path / "doc.txt"), progress=False)
     ids = [tok.eos_id] + tok.encode(text) + [tok.eos_id]  # one document: EOS, text, EOS
     assert len(ids) - 1 <= cfg.data.seq_len  # one row: the loss is that of one forward pass
-    logits = model_from_params(cfg.model, params)(jnp.array([ids[:-1]]))
+    logits = model_from_params(cfg.model, params)(jnp.array([ids[:-1]])).logits
     want = float(optax.softmax_cross_entropy_with_integer_labels(
         logits, jnp.array([ids[1:]])).mean())
     assert result["tokens"] == len(ids) - 1 and result["bytes"] == len(text.encode())
@@ -126,8 +126,8 @@ def test_cem_export_every_format(make_run, tmp_path):
     loaded_cfg, loaded, tok = load_safetensors(tmp_path / "st")
     assert loaded_cfg == cfg.model and tok.data == (run_dir / "tokenizer.model").read_bytes()
     ids = jnp.array([[3, 17, 250, 4, 61]])
-    np.testing.assert_array_equal(model_from_params(loaded_cfg, loaded)(ids),
-                                  model_from_params(cfg.model, params)(ids))
+    np.testing.assert_array_equal(model_from_params(loaded_cfg, loaded)(ids).logits,
+                                  model_from_params(cfg.model, params)(ids).logits)
     assert cli.main(["--run", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["steps"] == 2
     hf = safetensors.numpy.load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -210,7 +210,8 @@ def test_cem_import_cli_writes_a_loadable_baseline_run(make_run, tmp_path, capsy
     run = load_run(tmp_path / "imported")
     assert run.config.data.seq_len == 32 and run.step == 0
     ids = jnp.array([[3, 17, 250, 4, 61]])
-    np.testing.assert_array_equal(run.model()(ids), model_from_params(cfg.model, params)(ids))
+    np.testing.assert_array_equal(run.model()(ids).logits,
+                                  model_from_params(cfg.model, params)(ids).logits)
     assert cli.import_main(["--hf", str(tmp_path / "llama"), "--out",
                             str(tmp_path / "imported")]) == 1
     assert "holds an earlier cem-export or cem-import output" in capsys.readouterr().err

@@ -340,7 +340,7 @@ def test_model_training_step_pallas_equals_xla(steps):
     seg = jnp.array([[1] * 4 + [2] * 6, [3] * 10], jnp.int32)
 
     def loss_fn(m, tokens):
-        logits = m(tokens[:, :-1], segment_ids=seg)
+        logits = m(tokens[:, :-1], segment_ids=seg).logits
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     def train_step(impl):

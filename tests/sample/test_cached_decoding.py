@@ -42,7 +42,7 @@ def test_cached_logits_equal_full_recomputation(name):
     sequences = np.zeros((3, 8 + 6), np.int32)  # right padding: causal, so harmless
     for b, prompt in enumerate(PROMPTS):
         sequences[b, :len(prompt) + 6] = prompt + list(out.tokens[b])
-    full = np.asarray(model_from_params(cfg, params)(jnp.asarray(sequences)))
+    full = np.asarray(model_from_params(cfg, params)(jnp.asarray(sequences)).logits)
     for b, prompt in enumerate(PROMPTS):
         want = full[b, len(prompt) - 1:len(prompt) - 1 + 6]  # the logits each token came from
         np.testing.assert_allclose(out.logits[b], want, atol=1e-5, rtol=0)
@@ -140,8 +140,8 @@ def test_a_forward_past_the_cache_slots_is_a_clear_error():
     tokens = jnp.ones((1, 5), jnp.int32)
     with pytest.raises(ValueError, match="holds 4 slots per row and 0 are filled: 5 more"):
         model(tokens, cache=init_cache(cfg, 1, 4))
-    _, cache = model(tokens[:, :3], cache=init_cache(cfg, 1, 4))
-    _, cache = model(tokens[:, :1], cache=cache)  # the fourth slot
+    cache = model(tokens[:, :3], cache=init_cache(cfg, 1, 4)).cache
+    cache = model(tokens[:, :1], cache=cache).cache  # the fourth slot
     with pytest.raises(ValueError, match="4 are filled: 1 more tokens do not fit"):
         model(tokens[:, :1], cache=cache)
     with pytest.raises(ValueError, match="segment_ids must be None"):
