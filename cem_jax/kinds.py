@@ -153,6 +153,27 @@ def build_mixer(kind: Kind, params: dict, ctx: Context) -> Mixer:
     return Mixer(lambda c, index: c, direction, energy)
 
 
+def check_decodable(kind: Kind, cfg: ModelConfig) -> None:
+    """Raise ValueError if `kind` keeps no decode cache (cache "none") but its energy at token t
+    reads the context c at other positions, which a cache-less decode step cannot give it. Checked
+    on a random [1,4,D] sequence: E_t must not move when c_s (s ≠ t) does."""
+    if kind.cache != "none" or kind.energy is None:
+        return
+    with jax.ensure_compile_time_eval():  # concrete even where a decode loop is being traced
+        keys = jax.random.split(jax.random.PRNGKey(0), len(kind.params(cfg)) + 2)
+        params = {n: jax.random.normal(k, p.shape) * 0.5
+                  for (n, p), k in zip(kind.params(cfg).items(), keys[2:], strict=True)}
+        y, c = (jax.random.normal(k, (1, 4, cfg.d_model)) for k in keys[:2])
+        reach = jax.jacobian(lambda c_: kind.energy(params, y, c_, Context(cfg))[0])(c)[:, 0]
+        reach = jnp.abs(reach).sum(-1)  # [t, s]: how much E_t moves with c_s
+        leak = float((reach * (1 - jnp.eye(4))).max()), float(reach.max())
+    if leak[0] > 1e-6 * (leak[1] + 1e-30):
+        raise ValueError(f"sub-layer kind {kind.name!r} declares cache 'none' but its energy at "
+                         f"a token reads the context at other tokens, so a decode step cannot "
+                         f"compute it against a cache: give it a closed-form mixer that reads "
+                         f"ctx.cache (and its cache layout), or evaluate whole sequences")
+
+
 def kind_flops(kind: Kind, cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     """FLOPs per token of a forward pass of `kind`: (per context, per step). A kind without
     `flops` is measured: XLA's cost analysis of one step (prepare + direction) on a [1,T,D]

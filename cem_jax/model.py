@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cem_jax.config import ModelConfig
-from cem_jax.kinds import model_kinds
+from cem_jax.kinds import check_decodable, model_kinds
 from cem_jax.kvcache import Cache, KVCache, cache_contexts
 from cem_jax.layers import Block, RMSNorm, param
 from cem_jax.sharding import constrain
@@ -184,7 +184,10 @@ def _check_cache(cache: Cache, new: int, segment_ids, beyond_logits: bool) -> No
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int) -> Cache:
     """An empty decode cache of `slots` slots for `batch` rows in `cfg.dtype`, in the layout the
-    attention kind declares (`cem_jax.kinds.Kind.cache`; the shapes: `cem_jax.kvcache`)."""
+    attention kind declares (`cem_jax.kinds.Kind.cache`; the shapes: `cem_jax.kvcache`).
+    Raises ValueError for a kind that cannot decode against a cache (`check_decodable`)."""
+    for kind in model_kinds(cfg):
+        check_decodable(kind, cfg)
     L, C, G, K = cfg.num_layers, cache_contexts(cfg), cfg.kv_heads, cfg.head_width
     layout, dt = model_kinds(cfg)[0].cache, jnp.dtype(cfg.dtype)
     key = None if layout == "none" else jnp.zeros((L, C, batch, G, slots, K), dt)

@@ -5,6 +5,7 @@ samples from the run, and the hf export refuses it in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -21,8 +22,9 @@ from flax import nnx
 from train_helpers import REPO, run_cli, train_losses
 
 from cem_jax.config import ModelConfig
-from cem_jax.kinds import Context, get_kind
+from cem_jax.kinds import Context, Kind, Param, get_kind, register_kind
 from cem_jax.layers import SubLayer
+from cem_jax.model import init_cache
 from cem_jax.updates import rms_norm
 
 HERE = Path(__file__).parent
@@ -132,3 +134,19 @@ print(first, float(loss(model)), model.blocks.mlp.mixer.w[...].shape)
     first, last, shape = result.stdout.split(maxsplit=2)
     assert float(last) < 0.5 * float(first), result.stdout  # it learns the cycle of 8
     assert shape.strip() == "(2, 32, 48)"
+
+
+def test_a_kind_without_a_cache_that_reads_other_tokens_is_refused_for_decoding():
+    # E_t = Σ_s≤t (y_t · c_s): the context of earlier tokens, which cache "none" cannot give
+    def energy(p, y, c, ctx):
+        return jnp.sum(y * jnp.cumsum(c, axis=1) * p["w"], axis=-1)
+
+    register_kind(Kind("running_sum", "attention",
+                       lambda cfg: {"w": Param((cfg.d_model,), ("embed",))}, energy),
+                  replace=True)
+    cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, mlp_dim=24,
+                      attention_kind="running_sum")
+    with pytest.raises(ValueError, match="'running_sum' declares cache 'none' but its energy "
+                                         "at a token reads the context at other tokens"):
+        init_cache(cfg, 1, 8)
+    init_cache(dataclasses.replace(cfg, attention_kind=None, mlp_kind="logcosh_pull"), 1, 8)
