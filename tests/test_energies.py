@@ -270,11 +270,11 @@ def test_registered_activation_becomes_a_model_layer():
         register_activation(name, jnp.tanh, jnp.cosh)
     cfg = ModelConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=2, mlp_dim=12,
                       activation=name)
-    mlp = CEMTransformer(cfg, rngs=nnx.Rngs(0)).blocks.mlp
+    assert CEMTransformer(cfg, rngs=nnx.Rngs(0)).blocks.mlp.mixer.kind == "cem_mlp"
     params = {"gate": jax.random.normal(jax.random.PRNGKey(1), (8, 12)),
               "up": jax.random.normal(jax.random.PRNGKey(2), (8, 12))}
     y, c = jax.random.normal(jax.random.PRNGKey(3), (2, 1, 5, 8))
-    mixer = tied_mlp_mixer(params, mlp.mixer.activation)
+    mixer = tied_mlp_mixer(params, get_activation(cfg.activation))
     def energy(y):  # E(y | c) = -Σ_j (Wu c)_j log cosh((Wg y)_j), summed over tokens
         return -jnp.sum((c @ params["up"]) * jnp.log(jnp.cosh(y @ params["gate"])))
 
