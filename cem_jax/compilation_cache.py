@@ -25,21 +25,24 @@ import warnings
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from cem_jax.data import DataConfig, files
+from cem_jax.data import files
 from cem_jax.data.pipeline import cache_root
+from cem_jax.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
 
-def use_compilation_cache(enabled: bool, directory: str | None,
-                          data: DataConfig) -> str | None:
-    """Point this process's JAX at the compilation cache `directory` (None: `<data cache>/xla`
-    of `data`; a relative path from the current directory), or turn it off when not `enabled`
-    or when the folder cannot be written (a warning says why); returns the folder used (None:
-    off). Call it before the first compile: JAX settles on a cache at its first compile, and a
-    call that changes the folder later resets it. Raises ValueError when the default folder's
-    parent is a file (`cem_jax.data.pipeline.cache_root`)."""
-    folder = (directory or files.join(cache_root(data), "xla")) if enabled else None
+def use_compilation_cache(cfg: TrainConfig) -> str | None:
+    """Point this process's JAX at the compilation cache of a run's config: the folder
+    `run.compilation_cache_dir` (None: `<data cache>/xla` of its data section; a relative path
+    from the current directory), or turn it off when `run.compilation_cache` is false or the
+    folder cannot be written (a warning says why); returns the folder used (None: off). Call
+    it before the first compile: JAX settles on a cache at its first compile, and a call that
+    changes the folder later resets it. Raises ValueError when the default folder's parent is
+    a file (`cem_jax.data.pipeline.cache_root`)."""
+    directory, data = cfg.run.compilation_cache_dir, cfg.data
+    folder = ((directory or files.join(cache_root(data), "xla")) if cfg.run.compilation_cache
+              else None)
     if folder is not None and not files.is_url(folder):
         folder = os.path.abspath(files.local(folder))
     if folder is not None:

@@ -146,8 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_checkpoint_logs()
     try:
         run = load_run(args.run, args.step)
-        use_compilation_cache(run.config.run.compilation_cache,
-                              run.config.run.compilation_cache_dir, run.config.data)
+        use_compilation_cache(run.config)
         result = evaluate_run(run, args.text, args.corpus, progress=not args.no_progress,
                               allow_invalid_utf8=args.allow_invalid_utf8, steps=args.steps)
     except (FileNotFoundError, CheckpointError, FetchError, ValueError) as err:

@@ -216,8 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_checkpoint_logs()
     try:
         run = load_run(args.run, args.step)
-        use_compilation_cache(run.config.run.compilation_cache,
-                              run.config.run.compilation_cache_dir, run.config.data)
+        use_compilation_cache(run.config)
     except (FileNotFoundError, CheckpointError, ValueError) as err:
         print(f"cem-sample: error: {err}", file=sys.stderr)
         return 1

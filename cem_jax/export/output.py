@@ -19,7 +19,6 @@ user added from the export's, and refusing loses nothing (move them out and run 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import safetensors.numpy
 
-from cem_jax.fileio import umask_mode
+from cem_jax.fileio import LockHeld, held_lock, umask_mode
 
 MARKER = ".cem_jax_output"
 RUN_LOCK = ".lock"  # the lock file a running cem-train holds (`cem_jax.train.lock`)
@@ -172,22 +171,13 @@ def _training_state(directory: Path) -> str | None:
 def _run_lock(directory: Path) -> Iterator[None]:
     """Hold cem-train's lock on `directory/.lock` (when that file exists), so that no cem-train
     starts there meanwhile. Raises FileExistsError when a cem-train holds it."""
-    try:
-        f = open(directory / RUN_LOCK)  # closed below
-    except OSError:  # no lock file (or no directory): no cem-train has used it
-        f = None
-    if f is None:
-        yield
-        return
-    with f:
+    with contextlib.ExitStack() as stack:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise FileExistsError(f"{directory} is in use by cem-train ({f.read().strip()}): a "
+            stack.enter_context(held_lock(directory / RUN_LOCK))
+        except LockHeld as held:
+            raise FileExistsError(f"{directory} is in use by cem-train ({held.holder}): a "
                                   f"training run is never replaced by an export or import; "
                                   f"choose another --out") from None
-        except OSError:  # no flock on this file system: nothing to hold
-            pass
         yield
 
 

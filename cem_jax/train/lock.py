@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+
+from cem_jax.fileio import LockHeld, held_lock
 
 
 class RunDirInUse(RuntimeError):
@@ -18,27 +19,19 @@ class RunDirInUse(RuntimeError):
 def run_dir_lock(run_dir: Path, lead: bool) -> Iterator[None]:
     """Hold an advisory lock on `run_dir/.lock` (process 0) while training, so that a second
     cem-train on the same directory stops at once (RunDirInUse) instead of interleaving its
-    checkpoints and metrics. A file system without locks (some FUSE mounts) runs unlocked."""
+    checkpoints and metrics. A read-only run directory (a finished run shown again) or a file
+    system without locks (some FUSE mounts) runs unlocked."""
     if not lead:
         yield
         return
-    try:
-        f = open(run_dir / ".lock", "a+")  # held open while training
-    except OSError:  # a read-only run dir (a finished run shown again): nothing to guard
-        f = None
-    if f is None:
-        yield
-        return
-    with f:
+    with contextlib.ExitStack() as stack:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise RunDirInUse(f"{run_dir} is in use by another cem-train ({f.read().strip()}); "
+            f = stack.enter_context(held_lock(run_dir / ".lock", create=True))
+        except LockHeld as held:
+            raise RunDirInUse(f"{run_dir} is in use by another cem-train ({held.holder}); "
                               "wait for it to finish or give another run.dir") from None
-        except OSError:  # no flock here: nothing to hold
-            pass
-        f.truncate(0)
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
-        f.flush()
+        if f is not None:
+            f.truncate(0)
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+            f.flush()
         yield

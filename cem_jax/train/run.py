@@ -91,8 +91,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     or a logged step); with several processes, by the one that created it."""
     if cfg.expected_params is not None:
         check_expected_params(cfg)
-    cache = use_compilation_cache(cfg.run.compilation_cache, cfg.run.compilation_cache_dir,
-                                  cfg.data)  # before anything compiles
+    cache = use_compilation_cache(cfg)  # before anything compiles
     off = "off" if cfg.run.compilation_cache else "off (run.compilation_cache=false)"
     logger.info("compilation cache: %s", cache or off)
     if cfg.mesh.distributed:

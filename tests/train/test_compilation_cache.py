@@ -14,7 +14,7 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from train_helpers import train_losses
 
 from cem_jax.compilation_cache import use_compilation_cache
-from cem_jax.data import DataConfig, files
+from cem_jax.data import files
 from cem_jax.train import load_config, train
 
 
@@ -83,7 +83,8 @@ def test_a_folder_that_cannot_be_written_is_one_warning(tmp_path, caplog, cache_
     (tmp_path / "a_file").write_text("not a folder")
     folder = tmp_path / "a_file" / "xla"
     with caplog.at_level(logging.WARNING, logger="cem_jax.compilation_cache"):
-        assert use_compilation_cache(True, str(folder), DataConfig()) is None
+        assert use_compilation_cache(load_config(None, [
+            f"run.compilation_cache_dir={folder}"])) is None
     assert [r.getMessage() for r in caplog.records] == [
         f"the compilation cache {folder} cannot be written ([Errno 20] Not a directory: "
         f"'{folder}'): compiling without it; set run.compilation_cache_dir to a writable "
