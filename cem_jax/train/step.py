@@ -6,7 +6,9 @@ mesh shardings and the jitted steps:
 
     trainer = Trainer(model_cfg, opt_cfg, total_steps, mesh)
     state = trainer.init(seed)                       # sharded on the mesh
+    state = trainer.init_from_params(nnx.to_pure_dict(nnx.state(model)))   # or a model in hand
     state, metrics = trainer.train_step(state, batch)   # state donated
+    nnx.update(model, state["params"])               # back into the model (a notebook's)
     loss_sum, weight_sum = trainer.eval_step(state["params"], batch)   # `cem_jax.evaluate`'s
 
 The model runs under the mesh (`cem_jax.forward.batch_cross_entropy`), so its activations stay

@@ -1,6 +1,7 @@
 """`run.init_from`: a new run starts from another run's parameters (nanoGPT's `init_from`) and
 fine-tunes them on another corpus, with a fresh optimizer; the model section and tokenizer are
-checked; a started fine-tune resumes from its own checkpoints."""
+checked; a started fine-tune resumes from its own checkpoints. And the Trainer's step with a
+model in hand, as a notebook has one."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import jax
 import numpy as np
 import pytest
 from conftest import VOCAB, _documents
+from flax import nnx
 from train_helpers import train_losses
 
+from cem_jax import CEMTransformer, MeshConfig, ModelConfig, OptimizerConfig
 from cem_jax.data import load_tokenizer, make_train_iterator, train_tokenizer
 from cem_jax.rundir import load_run
 from cem_jax.sharding import global_batch, make_mesh
@@ -89,3 +92,24 @@ def test_another_model_or_tokenizer_is_refused(tiny_overrides, pretrained, tmp_p
     assert "has no checkpoint of step 4" in capsys.readouterr().err
     with pytest.raises(ValueError, match="'run.init_step' = 3 is invalid: it must be null unless"):
         load_config(None, ["run.init_step=3"])
+
+
+def test_the_train_step_takes_a_model_in_hand_and_gives_it_back():
+    # a notebook's model: the product's step trains it, and nnx.update puts the result back
+    cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, mlp_dim=24)
+    model = CEMTransformer(cfg, rngs=nnx.Rngs(3))
+    trainer = Trainer(cfg, OptimizerConfig(lr=1e-2, warmup_steps=1), 20,
+                      make_mesh(MeshConfig()))
+    state = trainer.init_from_params(nnx.to_pure_dict(nnx.state(model)))
+    np.testing.assert_array_equal(state["params"]["embed"], model.embed[...])
+    tokens = np.tile(np.arange(17) % 4, (8, 1)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "positions": np.tile(np.arange(16, dtype=np.int32), (8, 1)),
+             "segment_ids": np.zeros((8, 16), np.int32)}
+    losses = []
+    for _ in range(20):
+        state, metrics = trainer.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.5 * losses[0], losses  # a cycle of 4 is learned
+    nnx.update(model, jax.device_get(state["params"]))
+    np.testing.assert_array_equal(model.embed[...], state["params"]["embed"])
