@@ -24,10 +24,10 @@ class LockHeld(OSError):
 @contextlib.contextmanager
 def held_lock(path: Path, create: bool = False) -> Iterator[IO[str] | None]:
     """Hold an exclusive advisory lock (flock) on the file `path` while the block runs, and
-    yield it open: for reading, or with `create` for reading and appending (made when absent). Yields None when it
-    cannot be opened (absent without `create`, a read-only folder): nothing to hold. Raises
-    LockHeld when another process holds it; a file system without flock (some FUSE mounts)
-    holds nothing."""
+    yield it open: for reading, or with `create` for reading and appending (made when absent).
+    Yields None when it cannot be opened (absent without `create`, a read-only folder):
+    nothing to hold. Raises LockHeld when another process holds it; a file system without
+    flock (some FUSE mounts) holds nothing."""
     try:
         f = open(path, "a+" if create else "r")
     except OSError:

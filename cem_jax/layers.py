@@ -50,7 +50,8 @@ class RMSNorm(nnx.Module):
 class KindParams(nnx.Module):
     """The parameters a sub-layer kind declares (`cem_jax.kinds.Kind.params`), one attribute
     each under the kind's names (so that checkpoints and exports see e.g. `mixer.query`),
-    created in the kind's order: normal(0, init_std) or the kind's constant."""
+    created in the kind's order: normal(0, init_std) or the kind's constant. Raises ValueError
+    for a parameter name that cannot be an attribute here."""
 
     def __init__(self, cfg: ModelConfig, kind: Kind, *, rngs: nnx.Rngs):
         self.kind = kind.name
@@ -58,6 +59,9 @@ class KindParams(nnx.Module):
         specs = kind.params(cfg)
         self.names = tuple(specs)
         for name, spec in specs.items():
+            if not name.isidentifier() or name in ("kind", "names", "values"):
+                raise ValueError(f"sub-layer kind {kind.name!r} names a parameter {name!r}: "
+                                 f"use a Python identifier other than kind, names, values")
             setattr(self, name, param(rngs, spec.shape, spec.axes, dtype=dt,
                                       std=cfg.init_std if spec.init is None else None,
                                       value=spec.init or 0.0))
