@@ -86,18 +86,23 @@ class Kind:
 
 
 KINDS: dict[str, Kind] = {}
+BUILT_IN: frozenset[str] = frozenset()  # the kinds registered below (set at the end)
 
 
 def register_kind(kind: Kind, *, replace: bool = False) -> Kind:
     """Make `kind` selectable by its name in `ModelConfig.attention_kind` (role "attention") or
     `mlp_kind` (role "mlp"). Returns it. `replace=True` lets a kind of that name be defined again
     (a notebook cell edited and re-run; models built before use the new one when next traced).
-    Raises ValueError for a name already registered (without replace, or as another role), an
-    unknown role or cache, a kind with neither energy nor mixer, a cache without a closed form
-    to read it, or an MLP kind with a cache. A registration lives in the process that made it:
-    name its module in the config's `imports` (`cem_jax.train_config.TrainConfig`)."""
+    Raises ValueError for a built-in kind's name, a name already registered (without replace,
+    or as another role), an unknown role or cache, a kind with neither energy nor mixer, a
+    cache without a closed form to read it, or an MLP kind with a cache. A registration lives
+    in the process that made it: name its module in the config's `imports`
+    (`cem_jax.train_config.TrainConfig`). cem-train checks a user's kind before it trains
+    (`check_kind`: a causal energy, a folded preconditioner honoured)."""
     problem = None
-    if kind.name in KINDS and not replace:
+    if kind.name in BUILT_IN:
+        problem = "is a built-in kind: pick another name"
+    elif kind.name in KINDS and not replace:
         problem = "is already registered; pick another name (or pass replace=True)"
     elif kind.name in KINDS and KINDS[kind.name].role != kind.role:
         problem = f"is already registered as an {KINDS[kind.name].role} kind"
@@ -153,21 +158,69 @@ def build_mixer(kind: Kind, params: dict, ctx: Context) -> Mixer:
     return Mixer(lambda c, index: c, direction, energy)
 
 
+def _random_inputs(kind: Kind, cfg: ModelConfig, T: int = 4) -> tuple[dict, Array, Array]:
+    """Random parameters of `kind` and random y, c [1,T,D] (fp32, fixed seed) for the checks."""
+    keys = jax.random.split(jax.random.PRNGKey(0), len(kind.params(cfg)) + 2)
+    params = {n: jax.random.normal(k, p.shape) * 0.5
+              for (n, p), k in zip(kind.params(cfg).items(), keys[2:], strict=True)}
+    y, c = (jax.random.normal(k, (1, T, cfg.d_model)) for k in keys[:2])
+    return params, y, c
+
+
+def _reach(kind: Kind, cfg: ModelConfig) -> tuple[Array, Array]:
+    """|∂E_t/∂y_s| and |∂E_t/∂c_s| summed over D, each [T,S] on `_random_inputs`."""
+    params, y, c = _random_inputs(kind, cfg)
+    wrt_y, wrt_c = jax.jacobian(lambda y_, c_: kind.energy(params, y_, c_, Context(cfg))[0],
+                                argnums=(0, 1))(y, c)
+    return jnp.abs(wrt_y[:, 0]).sum(-1), jnp.abs(wrt_c[:, 0]).sum(-1)
+
+
+def _leaks(reach: Array, allowed: Array) -> bool:
+    return float((reach * ~allowed).max()) > 1e-6 * (float(reach.max()) + 1e-30)
+
+
+def check_kind(kind: Kind, cfg: ModelConfig) -> None:
+    """Raise ValueError naming what is wrong with a user's `kind` in the model of `cfg`, checked
+    on a random [1,4,D] sequence before a run trains: its energy at token t must read y_t only
+    and the context c_s of s ≤ t only (causal), and a mixer that declares
+    `folds_preconditioner` must scale its update by params["out_scale"]."""
+    with jax.ensure_compile_time_eval():  # concrete even where a step is being traced
+        if kind.energy is not None:
+            wrt_y, wrt_c = _reach(kind, cfg)
+            T = wrt_y.shape[0]
+            if _leaks(wrt_y, jnp.eye(T, dtype=bool)):
+                raise ValueError(f"sub-layer kind {kind.name!r}: its energy at a token reads "
+                                 f"the variable y of other tokens; E(params, y, c, ctx)[t] may "
+                                 f"read y_t and the context c_s (s ≤ t) only")
+            if _leaks(wrt_c, jnp.tril(jnp.ones((T, T), bool))):
+                raise ValueError(f"sub-layer kind {kind.name!r}: its energy at a token reads "
+                                 f"the context of later tokens (not causal): mask c_s for s > t")
+        if kind.mixer is not None and kind.folds_preconditioner:
+            params, y, c = _random_inputs(kind, cfg)
+
+            def update(params):
+                mixer = kind.mixer(params, Context(cfg))
+                return mixer.direction(y, mixer.prepare(c, 0))
+
+            plain, scaled = update(params), update({**params, "out_scale": jnp.float32(0.5)})
+            if float(jnp.abs(scaled - 0.5 * plain).max()) > 1e-5 * float(jnp.abs(plain).max()):
+                raise ValueError(f"sub-layer kind {kind.name!r} declares folds_preconditioner "
+                                 f"but its mixer's update does not scale with "
+                                 f"params['out_scale'] (P would be lost): scale its output "
+                                 f"projection by params.get('out_scale', 1.0), or leave "
+                                 f"folds_preconditioner False")
+
+
 def check_decodable(kind: Kind, cfg: ModelConfig) -> None:
     """Raise ValueError if `kind` keeps no decode cache (cache "none") but its energy at token t
-    reads the context c at other positions, which a cache-less decode step cannot give it. Checked
-    on a random [1,4,D] sequence: E_t must not move when c_s (s ≠ t) does."""
+    reads the context c at other positions, which a cache-less decode step cannot give it
+    (checked on `_random_inputs`: E_t must not move when c_s, s ≠ t, does)."""
     if kind.cache != "none" or kind.energy is None:
         return
     with jax.ensure_compile_time_eval():  # concrete even where a decode loop is being traced
-        keys = jax.random.split(jax.random.PRNGKey(0), len(kind.params(cfg)) + 2)
-        params = {n: jax.random.normal(k, p.shape) * 0.5
-                  for (n, p), k in zip(kind.params(cfg).items(), keys[2:], strict=True)}
-        y, c = (jax.random.normal(k, (1, 4, cfg.d_model)) for k in keys[:2])
-        reach = jax.jacobian(lambda c_: kind.energy(params, y, c_, Context(cfg))[0])(c)[:, 0]
-        reach = jnp.abs(reach).sum(-1)  # [t, s]: how much E_t moves with c_s
-        leak = float((reach * (1 - jnp.eye(4))).max()), float(reach.max())
-    if leak[0] > 1e-6 * (leak[1] + 1e-30):
+        _, wrt_c = _reach(kind, cfg)
+        leaks = _leaks(wrt_c, jnp.eye(wrt_c.shape[0], dtype=bool))
+    if leaks:
         raise ValueError(f"sub-layer kind {kind.name!r} declares cache 'none' but its energy at "
                          f"a token reads the context at other tokens, so a decode step cannot "
                          f"compute it against a cache: give it a closed-form mixer that reads "
@@ -274,3 +327,4 @@ register_kind(Kind(
     "swiglu", "mlp", lambda cfg: _mlp_params(cfg, untied=True), None,
     lambda p, ctx: swiglu_mixer(p, get_activation(ctx.cfg.activation)),
     folds_preconditioner=True, flops=_mlp_flops))
+BUILT_IN = frozenset(KINDS)

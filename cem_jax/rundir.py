@@ -137,9 +137,28 @@ def _restore_params(directory: Path, step: int, cfg: TrainConfig) -> tuple[dict,
             restored = manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(target, restore_args, partial_restore=True),
                 meta=ocp.args.JsonRestore()))
+        except ValueError as err:
+            if "not compatible with the stored shape" not in str(err):
+                raise restore_error(directory / str(step), err, "read") from err
+            raise CheckpointError(_other_model(directory / str(step), str(err))) from None
         except Exception as err:  # orbax raises many kinds; all mean "this step is unusable"
             raise restore_error(directory / str(step), err, "read") from err
-    return jax.device_get(restored["state"]["params"]), restored["meta"]
+    params = restored["state"]["params"]
+    absent = [jax.tree_util.keystr(path) for path, leaf in
+              jax.tree_util.tree_flatten_with_path(params)[0]
+              if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if absent:
+        raise CheckpointError(_other_model(directory / str(step), f"it has no {absent[0]}"))
+    return jax.device_get(params), restored["meta"]
+
+
+def _other_model(path: Path, what: str) -> str:
+    """The message for a checkpoint whose parameters are not those the config's model builds."""
+    what = (what.splitlines() or [""])[0].split(" See full TensorStore")[0][:300]
+    return (f"checkpoint {path} holds other parameters than the model of config.yaml builds "
+            f"({what}): the model section, or a sub-layer kind's parameters in the module its "
+            f"imports names, changed since the run was written; load it with the code that "
+            f"wrote it")
 
 
 def write_run(directory: str | Path, cfg: TrainConfig, params: dict, tokenizer: Tokenizer,

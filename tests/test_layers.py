@@ -98,8 +98,11 @@ def test_parameter_counts_tied_attention_half_tied_mlp_two_thirds():
 def test_register_kind_refuses_what_cannot_be_a_layer():
     params = lambda cfg: {"w": Param((cfg.d_model,), ("embed",))}  # noqa: E731
     energy = lambda p, y, c, ctx: jnp.sum(y * p["w"] * c, -1)  # noqa: E731
-    with pytest.raises(ValueError, match="'cem_mlp' is already registered"):
-        register_kind(Kind("cem_mlp", "mlp", params, energy))
+    with pytest.raises(ValueError, match="'cem_mlp' is a built-in kind"):
+        register_kind(Kind("cem_mlp", "mlp", params, energy), replace=True)
+    register_kind(Kind("k0", "attention", params, energy), replace=True)
+    with pytest.raises(ValueError, match="'k0' is already registered; pick another name"):
+        register_kind(Kind("k0", "attention", params, energy))
     with pytest.raises(ValueError, match="role 'ffn'; use one of attention, mlp"):
         register_kind(Kind("k1", "ffn", params, energy))
     with pytest.raises(ValueError, match="neither an energy nor a mixer"):
@@ -107,7 +110,7 @@ def test_register_kind_refuses_what_cannot_be_a_layer():
     with pytest.raises(ValueError, match="declares cache 'keys' but no mixer"):
         register_kind(Kind("k3", "attention", params, energy, cache="keys"))
     with pytest.raises(ValueError, match="already registered as an attention kind"):
-        register_kind(Kind("cem_attention", "mlp", params, energy), replace=True)
+        register_kind(Kind("k0", "mlp", params, energy), replace=True)
     assert not {"k1", "k2", "k3"} & set(KINDS)
 
 

@@ -65,9 +65,11 @@ def llama_incompatibility(cfg: ModelConfig) -> str | None:
                        "transformers has no such activation)")
     if not reasons:
         return None
+    own_kinds = any("of your own" in r for r in reasons)
     return ("the hf-llama format expresses only the Llama baseline; this model has "
-            + "; ".join(reasons) + ". Export it with --format hf (its own modeling code) or "
-            "safetensors")
+            + "; ".join(reasons) + (". Export it with --format safetensors" if own_kinds else
+                                    ". Export it with --format hf (its own modeling code) or "
+                                    "safetensors"))
 
 
 def llama_config(cfg: ModelConfig, tokenizer_ids: dict[str, int]) -> dict:

@@ -49,6 +49,7 @@ from cem_jax.data.pipeline import no_validation
 from cem_jax.evaluate import describe, evaluate
 from cem_jax.exits import StoppedBySignal
 from cem_jax.export.output import unmark_output
+from cem_jax.kinds import BUILT_IN, check_decodable, check_kind, model_kinds
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
 from cem_jax.train import hooks
@@ -97,7 +98,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.mesh.distributed:
         jax.distributed.initialize(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
                                    cfg.mesh.process_id)
-    m = cfg.model  # an impl this platform cannot run fails before anything is written
+    m = cfg.model  # an impl this platform cannot run, or a wrong kind, fails before writing
+    for kind in model_kinds(m):
+        if kind.name not in BUILT_IN:
+            check_kind(kind, m)
     attention_impl(m.impl, jnp.dtype(m.dtype), m.head_width, tied=m.kinds[0] != "llama_attention")
     lead = jax.process_index() == 0
     mesh = make_mesh(cfg.mesh)
@@ -336,6 +340,12 @@ def _sample(cfg: TrainConfig, params: dict, tokenizer: Tokenizer,
     sampling = SamplingConfig(cfg.run.sample_tokens, cfg.run.sample_temperature,
                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                               seed=cfg.run.seed, vocab_size=tokenizer.vocab_size)
+    try:
+        for kind in model_kinds(cfg.model):
+            check_decodable(kind, cfg.model)
+    except ValueError as err:
+        logger.warning("no sample: %s (set run.sample_tokens=0 to skip it)", err)
+        return ""
     prompt = [tokenizer.eos_id] + tokenizer.encode(cfg.run.sample_prompt)  # a document start
     out = generate(params, cfg.model, [prompt], sampling, out_sharding=replicated(mesh))
     return tokenizer.decode(out.tokens[0, :out.lengths[0]])

@@ -6,6 +6,7 @@ samples from the run, and the hf export refuses it in one line."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import subprocess
@@ -22,10 +23,11 @@ from flax import nnx
 from train_helpers import REPO, run_cli, train_losses
 
 from cem_jax.config import ModelConfig
-from cem_jax.kinds import Context, Kind, Param, get_kind, register_kind
+from cem_jax.kinds import Context, Kind, Param, check_kind, get_kind, register_kind
 from cem_jax.layers import SubLayer
 from cem_jax.model import init_cache
-from cem_jax.updates import rms_norm
+from cem_jax.train import load_config, train
+from cem_jax.updates import Mixer, rms_norm
 
 HERE = Path(__file__).parent
 
@@ -102,6 +104,27 @@ def test_cem_train_trains_resumes_and_a_fresh_process_samples(tiny_overrides, tm
     assert len(export.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "hf").exists()
 
+    # the module changed since the run was written: a parameter renamed, or of another shape
+    source = (HERE / "plugin_kind.py").read_text()
+    for name, changed, want in (
+            ("renamed", source.replace('"u": Param', '"v": Param').replace('p["u"]', 'p["v"]'),
+             "it has no ['blocks']['mlp']['mixer']['v']"),
+            ("reshaped", source.replace('"w": Param((cfg.d_model, cfg.mlp_dim)',
+                                        '"w": Param((cfg.d_model, 2 * cfg.mlp_dim)'),
+             "not compatible with the stored shape")):
+        assert changed != source
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "plugin_kind.py").write_text(changed)
+        loaded = subprocess.run(
+            [sys.executable, "-c", "import sys; from cem_jax.rundir import load_run; "
+             "load_run(sys.argv[1])", str(run_dir)], cwd=REPO, capture_output=True, text=True,
+            timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                [str(tmp_path / name), os.environ.get("PYTHONPATH", "")])})
+        assert loaded.returncode == 1
+        last = loaded.stderr.strip().splitlines()[-1]
+        assert "holds other parameters than the model of config.yaml builds" in last, last
+        assert want in last and "delete" not in last, last
+
 
 def test_the_readme_kind_trains_a_model_in_a_fresh_process(tmp_path):
     readme = (REPO / "README.md").read_text()
@@ -150,3 +173,42 @@ def test_a_kind_without_a_cache_that_reads_other_tokens_is_refused_for_decoding(
                                          "at a token reads the context at other tokens"):
         init_cache(cfg, 1, 8)
     init_cache(dataclasses.replace(cfg, attention_kind=None, mlp_kind="logcosh_pull"), 1, 8)
+
+
+def test_cem_train_refuses_a_kind_that_peeks_ahead_or_drops_a_folded_p():
+    cfg = ModelConfig(d_model=16, num_heads=2, mlp_dim=24)
+    params = lambda cfg: {"w": Param((cfg.d_model,), ("embed",))}  # noqa: E731
+
+    def peeking(p, y, c, ctx):  # E_t reads c_s for every s, the later ones too
+        return jnp.sum(y * p["w"] * jnp.sum(c, axis=1, keepdims=True), axis=-1)
+
+    with pytest.raises(ValueError, match="reads the context of later tokens"):
+        check_kind(Kind("peeking", "attention", params, peeking), cfg)
+
+    def ignores_p(p, ctx):  # a closed form that never reads params["out_scale"]
+        return Mixer(lambda c, index: c, lambda y, c: y * p["w"], None)
+
+    with pytest.raises(ValueError, match="declares folds_preconditioner but its mixer's update "
+                                         "does not scale with params\\['out_scale'\\]"):
+        check_kind(Kind("ignores_p", "mlp", params, mixer=ignores_p,
+                        folds_preconditioner=True), cfg)
+    check_kind(get_kind("logcosh_pull"), cfg)  # the plugin's kind passes
+    for name in ("cem_attention", "cem_dplr_attention", "cem_mlp", "swiglu"):
+        check_kind(get_kind(name), dataclasses.replace(cfg, num_heads=2))  # and the built-ins
+
+
+def test_a_kind_that_cannot_decode_trains_and_skips_its_sample(tiny_overrides, tmp_path,
+                                                                 caplog):
+    # causal, but E_t reads every c_s (s ≤ t): no decode cache can give it that context
+    def running_sum(p, y, c, ctx):
+        return jnp.sum(y * jnp.cumsum(c, axis=1) * p["w"], axis=-1) / c.shape[1]
+
+    register_kind(Kind("running_mean", "attention",
+                       lambda cfg: {"w": Param((cfg.d_model,), ("embed",))}, running_sum),
+                  replace=True)
+    with caplog.at_level(logging.WARNING, logger="cem_jax"):
+        summary = train(load_config(None, [*tiny_overrides, f"run.dir={tmp_path / 'run'}",
+                                           "run.steps=2", "model.attention_kind=running_mean"]))
+    assert summary["step"] == 2 and summary["sample"] == ""
+    assert any("no sample: sub-layer kind 'running_mean' declares cache 'none'" in r.getMessage()
+               for r in caplog.records)
