@@ -20,10 +20,17 @@ ACTIVATION_NAMES = ["silu", "gelu", "relu"]
 IMPLS = ("autodiff", "xla", "pallas", "cudnn", "auto")
 ROPE_TYPES = ("default", "linear", "llama3")
 CUDNN_MAX_HEAD_WIDTH = 256  # cuDNN flash attention's widest head (Hopper, cuDNN 9)
-# The sub-layer kinds by role (`cem_jax.kinds` registers them; `register_kind` adds to these)
-# and the decode caches a kind may keep.
-KIND_NAMES = {"attention": ["cem_attention", "cem_dplr_attention", "llama_attention"],
-              "mlp": ["cem_mlp", "swiglu"]}
+# The built-in sub-layer kinds by role and the flags that describe each: a config without
+# attention_kind / mlp_kind takes the kind whose flags it has (the hf export writes them
+# back). `cem_jax.kinds` registers them; KIND_NAMES are the kinds ModelConfig accepts, which
+# `register_kind` adds a user's to. KIND_CACHES: the decode caches a kind may keep.
+BUILT_IN_KINDS = {
+    "attention": {"cem_attention": {"tie_attention": True, "interaction": "lowrank"},
+                  "cem_dplr_attention": {"tie_attention": True, "interaction": "dplr"},
+                  "llama_attention": {"tie_attention": False}},
+    "mlp": {"cem_mlp": {"tie_mlp": True}, "swiglu": {"tie_mlp": False}},
+}
+KIND_NAMES = {role: list(kinds) for role, kinds in BUILT_IN_KINDS.items()}
 KIND_CACHES = ("none", "keys", "keys_values", "keys_context")
 
 # ModelConfig fields that choose how the same function is computed (a resumed run may change
@@ -168,10 +175,12 @@ class ModelConfig:
     @property
     def kinds(self) -> tuple[str, str]:
         """The names of the attention and the MLP sub-layer kinds (`cem_jax.kinds`)."""
-        attention = self.attention_kind or (
-            "llama_attention" if not self.tie_attention else
-            "cem_dplr_attention" if self.interaction == "dplr" else "cem_attention")
-        return attention, self.mlp_kind or ("cem_mlp" if self.tie_mlp else "swiglu")
+        def kind(role: str) -> str:
+            return getattr(self, f"{role}_kind") or next(
+                name for name, flags in BUILT_IN_KINDS[role].items()
+                if all(getattr(self, k) == v for k, v in flags.items()))
+
+        return kind("attention"), kind("mlp")
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first field that is out of range or inconsistent."""
@@ -229,12 +238,12 @@ class ModelConfig:
     def _check_kinds(self) -> None:
         """A kind named by `attention_kind` / `mlp_kind` is registered for its role, and the
         flags it replaces are left at their defaults."""
-        for role, field, flags in (("attention", "attention_kind",
-                                    ("tie_attention", "interaction")),
-                                   ("mlp", "mlp_kind", ("tie_mlp",))):
+        for role, kinds in BUILT_IN_KINDS.items():
+            field = f"{role}_kind"
             name = getattr(self, field)
             if name is None:
                 continue
+            flags = sorted({flag for described in kinds.values() for flag in described})
             require(name in KIND_NAMES[role], field, name,
                     f"one of {', '.join(KIND_NAMES[role])} (a kind of your own: register it "
                     f"with cem_jax.kinds.register_kind in a module the config's imports names)")

@@ -28,6 +28,7 @@ the config's top-level `imports` names, so every command that loads the run regi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -211,6 +212,7 @@ def check_kind(kind: Kind, cfg: ModelConfig) -> None:
                                  f"folds_preconditioner False")
 
 
+@functools.cache  # once per kind and config: init_cache asks at every decode
 def check_decodable(kind: Kind, cfg: ModelConfig) -> None:
     """Raise ValueError if `kind` keeps no decode cache (cache "none") but its energy at token t
     reads the context c at other positions, which a cache-less decode step cannot give it

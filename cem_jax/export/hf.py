@@ -26,7 +26,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from cem_jax.config import ModelConfig
+from cem_jax.config import BUILT_IN_KINDS, ModelConfig
 from cem_jax.data import Tokenizer
 from cem_jax.export.hf_tokenizer import suppress_padded, tokenizer_files, write_tokenizer
 from cem_jax.export.output import ExportError, file_in, staged_dir
@@ -45,10 +45,7 @@ def files(tokenizer_file: str) -> tuple[str, ...]:
 
 
 # The built-in sub-layer kinds as the flags of the shipped modeling code's config.
-KIND_FLAGS = {"cem_attention": {"tie_attention": True, "interaction": "lowrank"},
-              "cem_dplr_attention": {"tie_attention": True, "interaction": "dplr"},
-              "llama_attention": {"tie_attention": False, "interaction": "lowrank"},
-              "cem_mlp": {"tie_mlp": True}, "swiglu": {"tie_mlp": False}}
+KIND_FLAGS = {name: flags for kinds in BUILT_IN_KINDS.values() for name, flags in kinds.items()}
 
 
 def hf_config(cfg: ModelConfig, ids: dict) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cem_jax.config import ROPE_TYPES, ModelConfig
+from cem_jax.config import BUILT_IN_KINDS, ROPE_TYPES, ModelConfig
 from cem_jax.config_files import ConfigFieldError
 from cem_jax.data import Tokenizer
 from cem_jax.export.hf_tokenizer import suppress_padded, tokenizer_files, write_tokenizer
@@ -41,17 +41,16 @@ def files(tokenizer_file: str) -> tuple[str, ...]:
 
 def llama_incompatibility(cfg: ModelConfig) -> str | None:
     """Why `cfg` is not a Llama (the features, named), or None if it is one."""
-    reasons = []
+    own = [f"{role}_kind={kind!r} (a sub-layer kind of your own)"
+           for role, kind in zip(BUILT_IN_KINDS, cfg.kinds, strict=True)
+           if kind not in BUILT_IN_KINDS[role]]
+    reasons = list(own)
     attention, mlp = cfg.kinds
     if attention in ("cem_attention", "cem_dplr_attention"):
         reasons.append("tie_attention=true (CEM attention: value tied to key, output to query; "
                        "with RoPE its values carry relative rotations)")
-    elif attention != "llama_attention":
-        reasons.append(f"attention_kind={attention!r} (a sub-layer kind of your own)")
     if mlp == "cem_mlp":
         reasons.append("tie_mlp=true (CEM MLP: down projection tied to gateᵀ)")
-    elif mlp != "swiglu":
-        reasons.append(f"mlp_kind={mlp!r} (a sub-layer kind of your own)")
     if cfg.preconditioner != "none":
         reasons.append(f"preconditioner={cfg.preconditioner!r} (a Llama block has P = I)")
     if cfg.steps != 1:
@@ -65,9 +64,8 @@ def llama_incompatibility(cfg: ModelConfig) -> str | None:
                        "transformers has no such activation)")
     if not reasons:
         return None
-    own_kinds = any("of your own" in r for r in reasons)
     return ("the hf-llama format expresses only the Llama baseline; this model has "
-            + "; ".join(reasons) + (". Export it with --format safetensors" if own_kinds else
+            + "; ".join(reasons) + (". Export it with --format safetensors" if own else
                                     ". Export it with --format hf (its own modeling code) or "
                                     "safetensors"))
 
