@@ -5,7 +5,7 @@ it; optionally at equal training FLOPs, on an out-of-domain text, with the energ
 trained CEM layers and with test-time recursion.
 
     cem-compare --configs configs/shakespeare_llama.yaml configs/shakespeare_cem*.yaml \\
-        --steps 400 --seeds 0,1,2 --out docs/results.md --runs-dir runs/compare \\
+        --steps 400 --seeds 0,1,2 --out runs/compare/results.md --runs-dir runs/compare \\
         [--budget steps,flops] [--recursion-configs shakespeare_cem] [section.key=value ...]
 
 Seeds: run `s` sets run.seed = data.seed = s (model init and data order). The baseline row is
@@ -212,7 +212,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="configs whose runs are evaluated at --recursion-steps")
     parser.add_argument("--recursion-steps", type=_int_list, default=[1, 2, 3, 4],
                         metavar="N,N,...", help="CEM steps per sub-layer at test time")
-    parser.add_argument("--out", type=Path, default=Path("docs/results.md"))
+    parser.add_argument("--out", type=Path, default=Path("runs/compare/results.md"))
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/compare"))
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser

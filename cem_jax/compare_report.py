@@ -8,14 +8,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-import scipy.stats
 
 from cem_jax.evaluate import bits_per_byte_of
 from cem_jax.model import param_counts as abstract_param_counts
+from cem_jax.stats import Interval, paired_interval
 from cem_jax.train.metrics import flops_per_token
 from cem_jax.train_config import TrainConfig
 
@@ -29,35 +29,6 @@ def step_flops(cfg: TrainConfig) -> float:
     """Training FLOPs of one optimizer step: `flops_per_token` × batch_size × seq_len."""
     tokens = cfg.data.batch_size * cfg.data.seq_len
     return flops_per_token(cfg.model, cfg.data.seq_len) * tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class Interval:
-    """Mean of n paired differences and its two-sided t-interval [low, high]."""
-
-    mean: float
-    low: float
-    high: float
-    n: int
-
-    @property
-    def separated(self) -> bool:
-        """The interval excludes 0."""
-        return self.low > 0 or self.high < 0
-
-
-def paired_interval(values: Mapping[int, float], base: Mapping[int, float],
-                    level: float = 0.95) -> Interval | None:
-    """The differences values[s] - base[s] over the seeds s in both: their mean and the
-    `level` t-interval mean ± t_{(1+level)/2, n-1} · sd / √n (Student's t, sd with n - 1);
-    None with fewer than 2 seeds in common."""
-    diffs = [values[s] - base[s] for s in values if s in base]
-    if len(diffs) < 2:
-        return None
-    mean = statistics.fmean(diffs)
-    half = scipy.stats.t.ppf((1 + level) / 2, len(diffs) - 1) * statistics.stdev(diffs) \
-        / math.sqrt(len(diffs))
-    return Interval(mean, mean - half, mean + half, len(diffs))
 
 
 def param_counts(cfg: TrainConfig) -> dict[str, int]:

@@ -50,10 +50,11 @@ class RunSpec:
 
 def train_one(spec: RunSpec) -> dict:
     """Train (or resume, or reuse) one run; returns its result as a dict: "ok", "note",
-    "dir", "seed", "steps", "wall_s" and `read_metrics`' fields."""
+    "status" (cem-train's exit status, 0 for a run reused), "dir", "seed", "steps", "wall_s"
+    and `read_metrics`' fields."""
     cfg, run_dir = spec.cfg, Path(spec.cfg.run.dir)
     row = {"dir": str(run_dir), "seed": spec.seed, "steps": spec.steps, "ok": False, "note": "",
-           "stopped": False}
+           "status": 0, "stopped": False}
     clash = _other_run(run_dir, cfg)
     if clash:
         row["note"] = clash
@@ -70,7 +71,7 @@ def train_one(spec: RunSpec) -> dict:
             status = train_process(["--config", spec.path, *spec.args], log)
         wall += time.perf_counter() - start
         book.write_text(json.dumps({"wall_s": wall}))
-        row["stopped"] = status == exits.ExitStatus.STOPPED
+        row["status"], row["stopped"] = status, status == exits.ExitStatus.STOPPED
         if status != 0:
             words = _STATUS_WORDS.get(status, "killed" if status < 0 else "crashed")
             row["note"] = (f"cem-train exited with status {status} ({words}); see "

@@ -33,6 +33,7 @@ LLAMA = {"tie_attention": False, "tie_mlp": False, "preconditioner": "none"}
 CASES = {
     "shakespeare_cem": (SHAKESPEARE, {}, None),
     "shakespeare_llama": (SHAKESPEARE, LLAMA, None),
+    "shakespeare_llama_scalar": (SHAKESPEARE, {"tie_attention": False, "tie_mlp": False}, None),
     "shakespeare_cem_attn": (SHAKESPEARE, {"tie_mlp": False}, None),
     "shakespeare_cem_mlp": (SHAKESPEARE, {"tie_attention": False}, None),
     "shakespeare_cem_dplr": (SHAKESPEARE, {"interaction": "dplr"}, None),

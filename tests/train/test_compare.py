@@ -21,10 +21,10 @@ from flax import nnx
 from train_helpers import REPO
 
 from cem_jax.compare import budget_steps, main
-from cem_jax.compare_report import paired_interval
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run
 from cem_jax.model import CEMTransformer, count_params
 from cem_jax.rundir import load_run
+from cem_jax.stats import paired_interval
 from cem_jax.train.metrics import flops_per_token, logged_records
 from cem_jax.train_config import load_config
 

@@ -1,0 +1,165 @@
+"""The numbers of the study's report, from its records (`cem_jax.study.records`): stability of a
+run (`diverged`, `spikes`), each config's values by seed (`Results`), and the comparisons of a
+table with their tests (`compare`: paired t-interval, two-sided p Holm-adjusted over
+the table, TOST's p, and the words they earn: `cem_jax.stats.verdict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from cem_jax.stats import differences, holm, paired_interval, paired_p, tost_p, verdict
+from cem_jax.study.plan import RunKey, Study, best_rate, sweep_rates
+
+SPIKE_NATS = 0.5  # a loss spike: a logged loss more than this above the running minimum
+DIVERGENCE_STEP = 100  # a run diverges when it ends above its loss at this step
+
+
+def spikes(rec: dict) -> int:
+    """How many times the logged training loss rose more than SPIKE_NATS above the running
+    minimum of the losses before it (a run of such steps counts once; a non-finite loss counts
+    as such a step)."""
+    count, low, above = 0, math.inf, False
+    for _, loss in rec["train_loss"]:
+        now = loss is None or loss > low + SPIKE_NATS
+        count += now and not above
+        above = now
+        if loss is not None:
+            low = min(low, loss)
+    return count
+
+
+def diverged(rec: dict) -> bool:
+    """cem-train stopped the run on a non-finite loss, or its last logged training loss is
+    above its loss at step DIVERGENCE_STEP."""
+    losses = dict(rec["train_loss"])
+    if rec["status"] == "diverged" or not losses or losses[max(losses)] is None:
+        return True
+    at = losses.get(DIVERGENCE_STEP)
+    return at is not None and losses[max(losses)] > at
+
+
+def max_grad_norm(rec: dict) -> float:
+    return max((g for _, g in rec["grad_norm"] if g is not None), default=math.nan)
+
+
+def bits_per_byte(rec: dict) -> float | None:
+    """The run's final validation bits per byte; None for a run that diverged."""
+    return None if diverged(rec) else rec["val"]["bits_per_byte"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Config `row` against config `ref` (d_s = row_s - ref_s, bits per byte) over the n seeds
+    both have that did not diverge; `diverged`: the seeds of either that did."""
+
+    row: str
+    ref: str
+    n: int
+    mean: float
+    low: float
+    high: float
+    p: float  # two-sided paired t-test, raw
+    tost: float  # TOST within ±margin (not adjusted: see `compare`)
+    diverged: int = 0
+    p_holm: float = math.nan
+    words: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.row} vs {self.ref}"
+
+
+class Results:
+    """The records of a study, and what each config's runs say."""
+
+    def __init__(self, study: Study, records: Mapping[RunKey, dict]):
+        self.study, self.records = study, dict(records)
+
+    def sweep(self, name: str) -> dict[float, float | None]:
+        """{rate: final validation bits per byte, None if diverged} of a config's sweep."""
+        s = self.study
+        return {k.lr: bits_per_byte(r) for k, r in self.records.items()
+                if k.name == name and k.steps == s.sweep_steps and k.seed == s.sweep_seed}
+
+    def sweep_records(self, name: str) -> dict[float, dict]:
+        s = self.study
+        return {k.lr: r for k, r in self.records.items()
+                if k.name == name and k.steps == s.sweep_steps and k.seed == s.sweep_seed}
+
+    def best_rate(self, name: str) -> float | None:
+        results = self.sweep(name)
+        return best_rate(sweep_rates(self.study, results), results)
+
+    def runs(self, name: str, steps: int | None = None) -> dict[int, dict]:
+        """{seed: record} of a config at its best rate for `steps` (default: the study's)."""
+        lr, steps = self.best_rate(name), steps or self.study.steps
+        return {k.seed: r for k, r in sorted(self.records.items())
+                if k.name == name and k.lr == lr and k.steps == steps}
+
+    def values(self, name: str, steps: int | None = None, seeds: int | None = None
+               ) -> dict[int, float]:
+        """{seed: final validation bits per byte} of the runs that did not diverge (of the
+        first `seeds` seeds only, when given)."""
+        return {s: v for s, r in self.runs(name, steps).items()
+                if (v := bits_per_byte(r)) is not None and (seeds is None or s < seeds)}
+
+    def diverged(self, name: str, steps: int | None = None, seeds: int | None = None) -> int:
+        """How many of the config's runs diverged (of the first `seeds` seeds, when given)."""
+        return sum(diverged(r) for s, r in self.runs(name, steps).items()
+                   if seeds is None or s < seeds)
+
+
+Pair = tuple[str, dict[int, float], str, dict[int, float], int]
+
+
+def compare(pairs: list[Pair], margin: float, alpha: float) -> list[Comparison]:
+    """The comparisons of one table: for each (row, its values, ref, its values, seeds of
+    either that diverged) with >= 2 seeds in common, the mean paired difference, its 95%
+    t-interval, the paired t-test's p (Holm-adjusted over the table: the family-wise error of
+    "better"/"worse" is <= alpha) and TOST's p within ±margin (not adjusted: each "matches" is
+    a claim about its own pair at level alpha, the level its seed count was planned for), and
+    `verdict`'s words; a pair with a diverged seed says how many in its words. Pairs with fewer
+    seeds are left out."""
+    found = []
+    for row, values, ref, base, bad in pairs:
+        interval = paired_interval(values, base)
+        if interval is None:
+            continue
+        diffs = differences(values, base)
+        found.append(Comparison(row, ref, interval.n, interval.mean, interval.low,
+                                interval.high, paired_p(diffs), tost_p(diffs, margin), bad))
+    adjusted = holm({c.key: c.p for c in found})
+    return [dataclasses.replace(c, p_holm=adjusted[c.key], words=verdict(
+        c.mean, adjusted[c.key] < alpha, c.tost < alpha) + (
+            f"; {c.diverged} seed{'s' if c.diverged > 1 else ''} diverged and left out"
+            if c.diverged else "")) for c in found]
+
+
+def main_pairs(results: Results, steps: Mapping[str, int] | None = None) -> list[Pair]:
+    """The comparisons of the main table: every config against the baseline, every config but
+    the two references against the control (the baseline with the CEM rows' preconditioner),
+    and every config whose parent is neither against its parent. `steps[name]`: the configs of
+    an equal-FLOPs table and their steps (default: every config at the study's steps); the
+    references keep the study's steps."""
+    s, steps = results.study, steps or {}
+
+    def side(name: str) -> tuple[dict[int, float], int]:
+        at = steps.get(name)
+        return results.values(name, at), results.diverged(name, at)
+
+    pairs = []
+    for name, config in s.configs.items():
+        if steps and name not in steps:
+            continue
+        values, bad = side(name)
+        refs = [s.baseline] if name != s.baseline else []
+        refs += [s.control] if name not in (s.baseline, s.control) else []
+        refs += [config.parent] if config.parent and config.parent not in (s.baseline,
+                                                                           s.control) else []
+        for ref in refs:
+            ref_values, ref_bad = side(ref)
+            pairs.append((name, values, ref, ref_values, bad + ref_bad))
+    return pairs

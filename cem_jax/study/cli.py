@@ -1,0 +1,95 @@
+"""`cem-study`: run the study of a YAML file a run at a time, each run's file written as soon as
+it is trained, then regenerate the report from the files.
+
+    cem-study docs/study/study.yaml [--max-runs N] [--hours H] [--report-only]
+
+A planned run whose file exists is never trained again, so the study completes over as many
+invocations as it needs: `--max-runs` and `--hours` bound one invocation (a run started before
+the time is up is finished). A run that crashes is reported and skipped for this invocation; a
+diverged run is a result (its file says so). SIGINT or SIGTERM goes to the run in training,
+which stops at a safe point and saves; the report is then written from the files so far and
+the command exits 75 (run it again to resume that run). Exit status: 0, or 1 when a run
+crashed, 2 for a bad study file, 75 when a signal stopped it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+
+from cem_jax import exits
+from cem_jax.compare_report import step_flops
+from cem_jax.study.analysis import Results
+from cem_jax.study.plan import Study, flops_steps, load_study, plan
+from cem_jax.study.records import read_records, train_and_record
+from cem_jax.study.report import write_report
+from cem_jax.train_config import load_config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `cem-study`; returns its exit status (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        study = load_study(args.study)
+        flops = {name: step_flops(load_config(c.file, list(c.overrides)))
+                 for name, c in study.all_configs().items()}
+    except (ValueError, FileNotFoundError) as err:
+        print(f"cem-study: {err}", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + args.hours * 3600 if args.hours else None
+    failed, trained, status = set(), 0, 0
+    with exits.caught("cem-study"):
+        while not args.report_only and exits.received() is None:
+            results = Results(study, read_records(study))
+            todo = [k for k in _planned(study, results, flops)
+                    if k not in results.records and k not in failed]
+            if not todo or trained == args.max_runs or (deadline and time.monotonic() > deadline):
+                break
+            key = todo[0]
+            print(f"cem-study: run {key.label} ({len(todo)} to go)", flush=True)
+            rec, row = train_and_record(study, key)
+            trained += 1
+            if row["stopped"]:
+                status = int(exits.ExitStatus.STOPPED)
+            elif rec is None:
+                failed.add(key)
+                status = 1
+                print(f"cem-study: {key.label}: {row['note']}", file=sys.stderr)
+    results = Results(study, read_records(study))
+    planned = _planned(study, results, flops)
+    write_report(study, results, planned, flops_steps(study, flops),
+                 "cem-study " + shlex.join(argv))
+    left = sum(k not in results.records for k in planned)
+    print(f"cem-study: wrote {study.report}; {len(planned) - left} of {len(planned)} planned "
+          f"runs recorded" + (" (the study is complete)" if not left else ""))
+    if status == exits.ExitStatus.STOPPED or exits.received() is not None:
+        print("cem-study: stopped by a signal; run the same command again to go on",
+              file=sys.stderr)
+        return int(exits.ExitStatus.STOPPED)
+    return status
+
+
+def _planned(study: Study, results: Results, flops: dict[str, float]):
+    sweeps = {name: results.sweep(name) for name in study.all_configs()}
+    return plan(study, sweeps, flops)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cem-study",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("study", help="the study's YAML file, e.g. docs/study/study.yaml")
+    parser.add_argument("--max-runs", type=int, default=-1, metavar="N",
+                        help="train at most N runs in this invocation (default: all)")
+    parser.add_argument("--hours", type=float, metavar="H",
+                        help="start no run after H hours (default: no limit)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: regenerate the report from the files")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

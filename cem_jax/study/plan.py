@@ -1,0 +1,217 @@
+"""The study's specification (`Study`, read from its YAML file by `load_study`) and the runs it
+asks for once the runs already recorded are known (`plan`).
+
+A run is one config name ("shakespeare_cem", or "shakespeare_cem-d64" for a config at a size of
+the trend) trained at one learning rate for some steps with one seed (`RunKey`). The plan, in
+the order it trains:
+
+1. the learning-rate sweep: every config at each rate of `sweep.rates` for `sweep.steps` with
+   `sweep.seed`; while the best rate is an edge of the rates tried, the next rate beyond it
+   (×2 or ÷2), up to `sweep.extend` rates added in all (the report marks a best rate still at
+   an edge);
+2. the seeds: every config at its best rate for `main.steps`, seeds 0..n-1 in rounds (seed 0
+   of every config, then seed 1, ...), n from the power calculation (`Study.seeds`);
+3. equal FLOPs: each config of `flops_configs` for round(main.steps · F_baseline / F_config)
+   steps (F: training FLOPs per step, analytic), the same seeds;
+4. the size trend: the sweep of each config of `sizes.configs` at each other size, then each
+   at each size at its best rate, `sizes.seeds` seeds (at the configs' own size, the runs of
+   2. are reused).
+
+The best rate of a config is the rate of its lowest final validation bits per byte among its
+sweep runs (the same validation split as the study reports, at the sweep's shorter budget); a
+config whose sweep is not complete has no best rate yet, and none of its later runs are planned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from cem_jax.stats import seeds_for_equivalence
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class RunKey:
+    """One run: config `name`, learning rate `lr`, `steps`, `seed`."""
+
+    name: str
+    lr: float
+    steps: int
+    seed: int
+
+    @property
+    def label(self) -> str:
+        """The run's file stem: "shakespeare_cem_lr1e-2_steps1500_seed0"."""
+        return f"{self.name}_lr{rate_text(self.lr)}_steps{self.steps}_seed{self.seed}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A config of the study: `file` (YAML), its `parent` (the config it ablates, compared with
+    it as well as with the baseline), and `overrides` (a size of the trend)."""
+
+    name: str
+    file: str
+    parent: str | None = None
+    overrides: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """The study of one YAML file (see docs/study/study.yaml for each field's meaning)."""
+
+    path: Path
+    records: Path
+    runs_dir: Path
+    report: Path
+    margin: float
+    alpha: float
+    power: float
+    planning_sd: float
+    min_seeds: int
+    baseline: str
+    control: str
+    configs: dict[str, Config]
+    overrides: tuple[str, ...]
+    sweep_steps: int
+    sweep_eval_every: int
+    sweep_seed: int
+    rates: tuple[float, ...]
+    extend: int
+    steps: int
+    eval_every: int
+    flops_configs: tuple[str, ...]
+    size_configs: tuple[str, ...]
+    size_seeds: int
+    sizes: dict[str, tuple[str, ...]]  # size label -> overrides (() for the configs as they are)
+    note: str = ""  # what the study leaves out, said in its report
+
+    @property
+    def seeds(self) -> int:
+        """Seeds per config: the TOST power calculation for `margin` at `planning_sd`, at least
+        `min_seeds`."""
+        return max(self.min_seeds, seeds_for_equivalence(self.margin, self.planning_sd,
+                                                         self.alpha, self.power))
+
+    def sized(self, name: str, size: str) -> str:
+        """The name of config `name` at `size` ("" is the config itself)."""
+        return name if not self.sizes[size] else f"{name}-{size}"
+
+    def all_configs(self) -> dict[str, Config]:
+        """The configs and, for each size of the trend but the config's own, the config at it."""
+        found = dict(self.configs)
+        for size, overrides in self.sizes.items():
+            for name in self.size_configs:
+                if overrides:
+                    found[self.sized(name, size)] = Config(self.sized(name, size),
+                                                           self.configs[name].file,
+                                                           None, overrides)
+        return found
+
+
+def load_study(path: str | Path) -> Study:
+    """The `Study` of a YAML file; raises ValueError naming a missing or wrong field."""
+    path = Path(path)
+    try:
+        spec = yaml.safe_load(path.read_text())
+        configs = {name: Config(name, entry["file"], entry.get("parent"))
+                   for name, entry in spec["configs"].items()}
+        sweep, main, sizes = spec["sweep"], spec["main"], spec["sizes"]
+        study = Study(
+            path=path, records=Path(spec["records"]), runs_dir=Path(spec["runs_dir"]),
+            report=Path(spec["report"]), margin=float(spec["margin"]),
+            alpha=float(spec["alpha"]), power=float(spec["power"]),
+            planning_sd=float(spec["planning_sd"]), min_seeds=int(spec["min_seeds"]),
+            baseline=spec["baseline"], control=spec["control"], configs=configs,
+            overrides=tuple(spec.get("overrides", ())), sweep_steps=int(sweep["steps"]),
+            sweep_eval_every=int(sweep["eval_every"]), sweep_seed=int(sweep["seed"]),
+            rates=tuple(sorted(float(r) for r in sweep["rates"])), extend=int(sweep["extend"]),
+            steps=int(main["steps"]), eval_every=int(main["eval_every"]),
+            flops_configs=tuple(main.get("flops_configs", ())),
+            size_configs=tuple(sizes["configs"]), size_seeds=int(sizes["seeds"]),
+            sizes={str(k): tuple(v or ()) for k, v in sizes["scales"].items()},
+            note=" ".join(str(spec.get("note", "")).split()))
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{path}: the study is missing or misstates {err}; see "
+                         "docs/study/study.yaml for the fields") from err
+    named = {study.baseline, study.control, *study.flops_configs, *study.size_configs,
+             *(c.parent for c in configs.values() if c.parent)}
+    unknown = sorted(named - set(configs))
+    if unknown:
+        raise ValueError(f"{path}: {unknown[0]} is named but is not one of its configs "
+                         f"({', '.join(configs)})")
+    if list(study.sizes.values()).count(()) != 1:
+        raise ValueError(f"{path}: sizes.scales needs exactly one size without overrides (the "
+                         "configs as they are)")
+    return study
+
+
+def rate_text(lr: float) -> str:
+    """A rate as the study writes it in names: 0.01 → "1e-2", 0.0025 → "2.5e-3"."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def sweep_rates(study: Study, results: Mapping[float, float | None]) -> list[float]:
+    """The rates of one config's sweep given its results so far ({rate: final validation bits
+    per byte, None if it diverged}): the grid and, while the best rate is at an edge of the
+    rates so far, the next ×2 or ÷2 beyond it, up to `extend` rates added in all."""
+    rates = list(study.rates)
+    for _ in range(study.extend):
+        best = best_rate(rates, results)
+        if best is None:
+            break
+        if best == rates[-1]:
+            rates.append(rates[-1] * 2)
+        elif best == rates[0]:
+            rates.insert(0, rates[0] / 2)
+        else:
+            break
+    return rates
+
+
+def best_rate(rates: list[float], results: Mapping[float, float | None]) -> float | None:
+    """The rate of the lowest result among `rates` (a diverged run, None, never wins); None
+    until every rate has a result, or if all diverged."""
+    if any(r not in results for r in rates):
+        return None
+    finite = {r: results[r] for r in rates if results[r] is not None}
+    return min(finite, key=finite.get) if finite else None
+
+
+def plan(study: Study, sweeps: Mapping[str, Mapping[float, float | None]],
+         flops: Mapping[str, float]) -> list[RunKey]:
+    """Every run the study asks for given the sweep results so far (`sweeps[name]`: as
+    `sweep_rates`) and each config's training FLOPs per step (`flops[name]`), in training
+    order (see the module docstring); runs already recorded are among them."""
+    best, sweep = {}, {}
+    for name in study.all_configs():
+        results = sweeps.get(name, {})
+        rates = sweep_rates(study, results)
+        sweep[name] = [RunKey(name, r, study.sweep_steps, study.sweep_seed) for r in rates]
+        best[name] = best_rate(rates, results)
+    runs = [k for name in study.configs for k in sweep[name]]
+    core = [n for n in study.configs if best[n] is not None]
+    for seed in range(study.seeds):
+        runs += [RunKey(n, best[n], study.steps, seed) for n in core]
+    at_flops = flops_steps(study, flops)
+    for seed in range(study.seeds):
+        runs += [RunKey(n, best[n], steps, seed) for n, steps in at_flops.items()
+                 if best[n] is not None]
+    runs += [k for name in sweep if name not in study.configs for k in sweep[name]]
+    for seed in range(study.size_seeds):
+        for size in study.sizes:
+            runs += [RunKey(study.sized(n, size), best[study.sized(n, size)], study.steps, seed)
+                     for n in study.size_configs if best[study.sized(n, size)] is not None]
+    return list(dict.fromkeys(runs))  # a run two parts share (the middle size) trains once
+
+
+def flops_steps(study: Study, flops: Mapping[str, float]) -> dict[str, int]:
+    """{config: max(1, round(steps · F_baseline / F_config))} of the `flops_configs`: their
+    steps at the baseline's training FLOPs (`flops[name]`: training FLOPs per step); a config
+    whose steps are the study's reuses its runs at equal steps."""
+    target = study.steps * flops[study.baseline]
+    return {n: max(1, round(target / flops[n])) for n in study.flops_configs}

@@ -1,0 +1,151 @@
+"""The study's per-run files: one JSON per run (`RunKey.label`.json in the study's `records`
+folder, committed), written once its run is trained (`train_and_record`) and read back by the
+report (`read_records`). A run whose file exists is never trained again.
+
+A record holds:
+  name, lr, steps, seed, config (the file), cem_train_args (after --config): what ran;
+  status: "ok" or "diverged" (cem-train stopped on a non-finite loss, exit status 3);
+  params, training_flops: of the config (analytic `flops_per_token` × tokens);
+  val: the final validation {"loss" (nats/token), "perplexity", "bits_per_byte"} (whole
+    split); null for a run that diverged;
+  val_curve: [[step, bits per byte]] of every evaluation;
+  train_loss, grad_norm: per logged step, [[step, value]] (6 and 4 significant digits; null
+    where non-finite);
+  tokens_per_s: median over the training log windows after the first tenth of the steps;
+  wall_s: of the cem-train processes;
+  ood_bits_per_byte: on the out-of-domain text ("milton") — runs past the sweep only;
+  descent, descent_init: for a config with a tied sub-layer, runs past the sweep only, the
+    energy descent statistics on the first validation batches of the trained parameters and
+    of the same seed's initial ones (`cem_jax.monitor.descent_statistics`);
+  ran: {"date" (UTC, of its last step), "machine", "cores", "jax", "backend", "commit"}.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from cem_jax.compare_report import param_counts, step_flops
+from cem_jax.compare_runs import RunSpec, read_metrics, train_one
+from cem_jax.data import make_eval_batches
+from cem_jax.evaluate import bits_per_byte_of, evaluate_run
+from cem_jax.exits import ExitStatus
+from cem_jax.fileio import atomic_file
+from cem_jax.model import CEMTransformer
+from cem_jax.monitor import descent_statistics
+from cem_jax.rundir import load_run
+from cem_jax.study.plan import RunKey, Study, rate_text
+from cem_jax.train.metrics import logged_records
+
+DESCENT_BATCHES = 4
+
+
+def record_path(study: Study, key: RunKey) -> Path:
+    return study.records / f"{key.label}.json"
+
+
+def read_records(study: Study) -> dict[RunKey, dict]:
+    """Every record in the study's folder, by run."""
+    found = {}
+    for path in sorted(study.records.glob("*.json")):
+        rec = json.loads(path.read_text())
+        found[RunKey(rec["name"], rec["lr"], rec["steps"], rec["seed"])] = rec
+    return found
+
+
+def run_spec(study: Study, key: RunKey) -> RunSpec:
+    """The cem-train run of `key`: in RUNS_DIR/lr<rate>/<name>/steps<N>_seed<s>, with the
+    study's overrides, the config's own (a size of the trend) and optimizer.lr."""
+    config = study.all_configs()[key.name]
+    eval_every = study.sweep_eval_every if key.steps == study.sweep_steps else study.eval_every
+    overrides = [*study.overrides, *config.overrides, f"optimizer.lr={key.lr}"]
+    return RunSpec.make(key.name, config.file, key.steps, key.seed, eval_every,
+                        study.runs_dir / f"lr{rate_text(key.lr)}", overrides)
+
+
+def train_and_record(study: Study, key: RunKey) -> tuple[dict | None, dict]:
+    """Train (or resume) the run of `key` and write its record; returns (the record, or None
+    when the run neither finished nor diverged, and `train_one`'s row: its "note" says why,
+    its "stopped" whether a signal stopped it)."""
+    spec = run_spec(study, key)
+    row = train_one(spec)
+    if not row["ok"] and row.get("status") != ExitStatus.DIVERGED:
+        return None, row
+    rec = _record(study, key, spec, row)
+    with atomic_file(record_path(study, key)) as f:
+        f.write(("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in rec.items())
+                 + "\n}\n").encode())  # a field a line
+    return rec, row
+
+
+def _record(study: Study, key: RunKey, spec: RunSpec, row: dict) -> dict:
+    cfg, run_dir = spec.cfg, Path(row["dir"])
+    config = study.all_configs()[key.name]
+    train = {r["step"]: r for r in logged_records(run_dir) if r["kind"] == "train"}
+    rec = {"name": key.name, "lr": key.lr, "steps": key.steps, "seed": key.seed,
+           "config": config.file, "cem_train_args": list(spec.args),
+           "status": "ok" if row["ok"] else "diverged",
+           "params": param_counts(cfg)["total"], "training_flops": key.steps * step_flops(cfg),
+           "val": {k: row["eval"][k] for k in ("loss", "perplexity")} if row["ok"] else None,
+           "val_curve": [[s, v] for s, v in read_metrics(run_dir, cfg)["curve"]],
+           "train_loss": [[s, _finite(r.get("loss"), 6)] for s, r in sorted(train.items())],
+           "grad_norm": [[s, _finite(r.get("grad_norm"), 4)] for s, r in sorted(train.items())],
+           "tokens_per_s": _finite(row["tokens_per_s"]), "wall_s": row["wall_s"],
+           "ran": _ran(max(r["time"] for r in train.values()))}
+    if row["ok"]:
+        rec["val"]["bits_per_byte"] = bits_per_byte_of(row["eval"])
+    if row["ok"] and key.steps != study.sweep_steps:
+        run = load_run(run_dir)
+        rec["ood_bits_per_byte"] = bits_per_byte_of(evaluate_run(run, corpus="milton",
+                                                                 progress=False))
+        if cfg.model.kinds != ("llama_attention", "swiglu"):
+            data = make_eval_batches(cfg.data, run.tokenizer, "validation")
+            sample = [data[i] for i in range(min(DESCENT_BATCHES, len(data)))]
+            init = nnx.to_pure_dict(nnx.state(CEMTransformer(cfg.model,
+                                                             rngs=nnx.Rngs(cfg.run.seed))))
+            rec["descent"] = _json(descent_statistics(cfg.model, run.params, sample))
+            rec["descent_init"] = _json(descent_statistics(cfg.model, init, sample))
+            rec["descent_tokens"] = int(sum(np.sum(b["weights"] > 0) for b in sample))
+    return rec
+
+
+def _json(stats: dict) -> dict:
+    return {kind: {k: np.asarray(v).tolist() for k, v in s.items()} for kind, s in stats.items()}
+
+
+def _finite(value, digits: int = 17) -> float | None:
+    """`value` to `digits` significant digits; None if missing or not finite."""
+    return float(f"{value:.{digits}g}") if value is not None and math.isfinite(value) else None
+
+
+def _ran(finished: float) -> dict:
+    """Where and when the run ran: `finished` (UNIX time of its last training step), this
+    machine, JAX and the code's commit (`git describe --dirty`) when the record is written."""
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    date = datetime.datetime.fromtimestamp(finished, datetime.UTC)
+    return {"date": date.strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": _cpu() or platform.machine(), "cores": os.cpu_count(),
+            "jax": jax.__version__, "backend": jax.default_backend(), "commit": commit}
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

@@ -1,0 +1,358 @@
+"""The study's report (`write_report`): a Markdown file regenerated from the records alone, with
+its figures (`cem_jax.study.figures`) beside it. Every sentence of its reading is made from a
+number in its tables; its summary (between SUMMARY_START and SUMMARY_END) is the one the README
+quotes.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from pathlib import Path
+
+from cem_jax.stats import (
+    differences,
+    equivalence_margin,
+    seeds_for_equivalence,
+    slope_interval,
+)
+from cem_jax.study import figures
+from cem_jax.study.analysis import (
+    SPIKE_NATS,
+    Comparison,
+    Results,
+    compare,
+    diverged,
+    main_pairs,
+    max_grad_norm,
+    spikes,
+)
+from cem_jax.study.plan import RunKey, Study, rate_text
+
+SUMMARY_START = "<!-- summary: the README quotes the lines up to the end marker -->"
+SUMMARY_END = "<!-- end of summary -->"
+
+
+def write_report(study: Study, results: Results, planned: list[RunKey],
+                 flops_steps: Mapping[str, int], command: str) -> None:
+    """Write `study.report` and its PNGs. `planned`: every run the study asks for now
+    (`cem_jax.study.plan.plan`); `flops_steps[name]`: a config's steps at equal FLOPs."""
+    out = study.report
+    out.parent.mkdir(parents=True, exist_ok=True)
+    main = compare(main_pairs(results), study.margin, study.alpha)
+    flops = compare(main_pairs(results, dict(flops_steps)), study.margin, study.alpha) \
+        if flops_steps else []
+    sizes = _sizes(results)
+    size_cmp = compare([(study.sized(n, size), by_name[n]["values"],
+                         study.sized(study.baseline, size), by_name[study.baseline]["values"],
+                         by_name[n]["diverged"] + by_name[study.baseline]["diverged"])
+                        for size, by_name in sizes.items() for n in study.size_configs
+                        if n != study.baseline], study.margin, study.alpha)
+    lines = [f"# The CEM study: {', '.join(study.configs)}", "",
+             f"Regenerated from the per-run files in `{study.records}` by", "", "```bash",
+             command, "```", "",
+             "which first trains every planned run that has no file there (so the study "
+             "completes over as many invocations as it needs; `--report-only` trains "
+             "nothing).", ""]
+    lines += _what_ran(study, results, planned, main)
+    lines += _summary(study, main, flops)
+    lines += _sweep(study, results, out)
+    lines += _table(study, results, f"## Equal steps ({study.steps:,} steps)", {}, main, out,
+                    "curves")
+    if flops_steps:
+        lines += _table(study, results, "## Equal training FLOPs", flops_steps, flops, None,
+                        None)
+    lines += _sizes_table(study, sizes, size_cmp, results, out)
+    lines += _descent(study, results, out)
+    lines += _reading(study, results, main, flops, size_cmp, _slopes(study, sizes))
+    out.write_text("\n".join(lines))
+
+
+def _what_ran(study: Study, results: Results, planned: list[RunKey],
+              main: list[Comparison]) -> list[str]:
+    recs = list(results.records.values())
+    done = [k for k in planned if k in results.records]
+    core = study.configs
+    parts = {"the learning-rate sweep": lambda k: k.name in core and k.steps == study.sweep_steps,
+             "the seeds at each config's best rate": lambda k: k.name in core
+             and k.steps == study.steps,
+             "equal FLOPs": lambda k: k.name in core
+             and k.steps not in (study.steps, study.sweep_steps),
+             "the size trend (its sweeps included)": lambda k: k.name not in core}
+    progress = "; ".join(f"{part} {sum(map(test, done))} of {sum(map(test, planned))}"
+                         for part, test in parts.items())
+    ran = sorted({r["ran"]["date"] for r in recs})
+    machines = sorted({f"{r['ran']['machine']} ({r['ran']['cores']} cores, "
+                       f"{r['ran']['backend']}, jax {r['ran']['jax']})" for r in recs})
+    commits = sorted({r["ran"]["commit"] for r in recs})
+    n_plan = seeds_for_equivalence(study.margin, study.planning_sd, study.alpha, study.power)
+    sds = [statistics.stdev(differences(results.values(c.row), results.values(c.ref)))
+           for c in main if c.n >= 3]
+    observed = ""
+    if sds:
+        sd = statistics.median(sds)
+        observed = (f" The paired standard deviations observed so far (comparisons of the "
+                    f"equal-steps table with ≥ 3 seeds) have median {sd:.4f} bits/byte; at that "
+                    f"sd, {study.seeds} seeds give {study.power:.0%} power for a margin of "
+                    f"±{equivalence_margin(study.seeds, sd, study.alpha, study.power):.3f}.")
+    status = ("The study is complete." if len(done) == len(planned) else
+              f"**The study is not complete**: {len(planned) - len(done)} planned runs have no "
+              "file yet, and later parts are planned only once the sweep they depend on is "
+              "done; every table holds the runs recorded so far, and each comparison states "
+              "its seeds.")
+    return ["## What ran", "",
+            f"Runs recorded: {len(done)} of the {len(planned)} planned now ({progress}). "
+            + status, "", *([study.note, ""] if study.note else []),
+            f"Trained {ran[0]} to {ran[-1]} on {'; '.join(machines)}, code "
+            f"{', '.join(commits)}. Tokens/s were measured on a shared machine and are "
+            "indicative only." if ran else "No run is recorded yet.", "",
+            f"Stated before any run: the equivalence margin is ±{study.margin} bits/byte and "
+            f"the level α = {study.alpha}. The margin is set by this machine's budget, not by "
+            "a notion of a negligible difference: it is the smallest that the seeds it can "
+            "afford resolve. With a planning paired sd of {study.planning_sd} "
+            f"bits/byte, a TOST shows equivalence at a true difference of 0 with "
+            f"{study.power:.0%} power from n = {n_plan} seeds (the first n with "
+            "(t₁₋α,ₙ₋₁ + t₁₋β/₂,ₙ₋₁)·sd/√n ≤ margin, Julious 2004); the study trains "
+            f"{study.seeds} seeds per config (at least {study.min_seeds})." + observed, "",
+            "Each run: `run.seed = data.seed = seed` (model init and data order). Validation "
+            "is the whole held-out split, after the last step. Δ: row − reference paired by "
+            "seed over the seeds both have that did not diverge, mean [95% t-interval, not "
+            "adjusted]. p: the two-sided paired t-test, Holm-adjusted over the comparisons of "
+            "its table (so an interval that excludes 0 may still read not separated); TOST p: "
+            f"the larger of the two one-sided tests of Δ ≤ −{study.margin} and "
+            f"Δ ≥ +{study.margin}, not adjusted (each equivalence is a claim about its own "
+            "pair at level α, the level the seed count is planned for). Words: **matches** "
+            "when TOST p < α and the adjusted p ≥ α; **matches (within the margin, though "
+            "lower/higher)** when both are < α; **better**/**worse** when only the adjusted p "
+            "is < α (lower bits per byte is better); **not separated** when neither is (the "
+            "data do not decide). Stability: a run diverges when its loss becomes non-finite "
+            "or ends above its value at step 100 (it is left out of its comparisons, which say "
+            f"so); spikes: how many times the logged loss rose more than {SPIKE_NATS} nats "
+            "above its running minimum (a run of such steps counts once; every step is "
+            "logged).", ""]
+
+
+def _summary(study: Study, main: list[Comparison], flops: list[Comparison]) -> list[str]:
+    lines = [SUMMARY_START]
+    wanted = [(c, f"{study.steps:,} steps") for c in main] + [
+        (c, "equal training FLOPs") for c in flops if c.ref == study.baseline]
+    if not wanted:
+        lines.append("No comparison has two seeds yet.")
+    for c, budget in wanted:
+        lines.append(f"- {c.key}, {budget}: **{c.words}**, Δ {c.mean:+.4f} "
+                     f"[{c.low:+.4f}, {c.high:+.4f}] bits/byte over {c.n} seeds.")
+    return ["## Summary", "", f"Margin ±{study.margin} bits/byte; Δ: row − reference, 95% "
+            "interval; words as defined above.", "", *lines, SUMMARY_END, ""]
+
+
+def _sweep(study: Study, results: Results, out: Path) -> list[str]:
+    names = list(study.all_configs())
+    rates = sorted({lr for n in names for lr in results.sweep(n)})
+    if not rates:
+        return []
+    head = ["config", *(f"lr {rate_text(r)}" for r in rates), "best rate", "diverged rates",
+            "spikes"]
+    lines = [f"## Learning-rate sweep ({study.sweep_steps} steps, seed {study.sweep_seed})", "",
+             "Final validation bits per byte at each peak rate (the schedule: warmup, cosine "
+             "decay to the config's min_lr_ratio). The best rate is picked on one seed and on "
+             "the same validation split the study reports, at this shorter budget: the "
+             "reported numbers favour each config's own rate a little (every config alike); "
+             "seed 0 of the main runs shares that seed. A rate beyond an edge of the grid is "
+             "added while the best is at that edge; \"(edge)\": the best is still at an edge "
+             "of the rates tried.", "", _row(head),
+             _rule(head)]
+    for name in names:
+        recs = results.sweep_records(name)
+        if not recs:
+            continue
+        cells = [("diverged" if diverged(recs[r]) else f"{recs[r]['val']['bits_per_byte']:.4f}")
+                 if r in recs else "–" for r in rates]
+        best = results.best_rate(name)
+        edge = best is not None and best in (min(recs), max(recs))
+        bad = [rate_text(r) for r, rec in sorted(recs.items()) if diverged(rec)]
+        lines.append(_row([name, *cells, (rate_text(best) + " (edge)" * edge) if best
+                           else "(sweep not done)",
+                           ", ".join(bad) or "none",
+                           str(sum(spikes(rec) for rec in recs.values()))]))
+    png = out.with_name(f"{out.stem}_sweep.png")
+    if figures.plot_sweep(results, png):
+        lines += ["", f"![learning-rate sweep]({png.name})"]
+    return lines + [""]
+
+
+def _table(study: Study, results: Results, title: str, steps: Mapping[str, int],
+           comparisons: list[Comparison], out: Path | None, figure: str | None) -> list[str]:
+    head = ["config", "params", "lr", "steps", "training FLOPs", "seeds", "val bits/byte",
+            "Milton bits/byte", "diverged", "spikes", "max grad norm", "tokens/s"]
+    lines = [title, "", "Each config at its best rate; bits per byte as mean ± sd over the "
+             "seeds that did not diverge.", "", _row(head), _rule(head)]
+    for name in study.configs:
+        if steps and name not in steps and name not in (study.baseline, study.control):
+            continue
+        runs = results.runs(name, steps.get(name))
+        if not runs:
+            continue
+        ok = [r for r in runs.values() if not diverged(r)]
+        first = next(iter(runs.values()))
+        lines.append(_row([
+            name, f"{first['params']:,}", rate_text(first["lr"]), f"{first['steps']:,}",
+            f"{first['training_flops']:.3g}", str(len(runs)),
+            _mean_sd([r["val"]["bits_per_byte"] for r in ok]),
+            _mean_sd([r["ood_bits_per_byte"] for r in ok if "ood_bits_per_byte" in r]),
+            f"{len(runs) - len(ok)} of {len(runs)}", str(sum(spikes(r) for r in runs.values())),
+            f"{max(max_grad_norm(r) for r in runs.values()):.3g}",
+            _tokens_per_s(runs.values())]))
+    lines += ["", *_comparisons(comparisons), ""]
+    if out is not None and figure:
+        png = out.with_name(f"{out.stem}_{figure}.png")
+        if figures.plot_curves(results, png):
+            lines += [f"![validation curves]({png.name})", ""]
+    return lines
+
+
+def _comparisons(comparisons: list[Comparison]) -> list[str]:
+    if not comparisons:
+        return ["No comparison has two seeds in common yet."]
+    head = ["comparison", "seeds", "Δ bits/byte [95% CI]", "p (Holm-adjusted)", "TOST p",
+            "reading"]
+    return [_row(head), _rule(head), *(_row([
+        c.key, str(c.n), f"{c.mean:+.4f} [{c.low:+.4f}, {c.high:+.4f}]",
+        f"{c.p:.3g} ({c.p_holm:.3g})", f"{c.tost:.3g}", f"**{c.words}**"])
+        for c in comparisons)]
+
+
+def _sizes(results: Results) -> dict[str, dict[str, dict]]:
+    """{size: {config: {"params", "flops", "values", "diverged"}}} of the trend's configs at
+    each size, over its first `sizes.seeds` seeds (at the configs' own size too)."""
+    study, found = results.study, {}
+    for size in study.sizes:
+        by_name = {}
+        for name in study.size_configs:
+            sized = study.sized(name, size)
+            first = next(iter(results.runs(sized).values()), None)
+            by_name[name] = {"params": first["params"] if first else None,
+                             "flops": first["training_flops"] if first else None,
+                             "values": results.values(sized, seeds=study.size_seeds),
+                             "diverged": results.diverged(sized, seeds=study.size_seeds)}
+        found[size] = by_name
+    return found
+
+
+def _slopes(study: Study, sizes: Mapping[str, Mapping[str, dict]]) -> list[str]:
+    """Per tied config of the trend: the least-squares slope of its paired gap to the baseline
+    (every seed of every size) on log10 of its parameters, with a 95% interval."""
+    lines = []
+    for name in study.size_configs:
+        if name == study.baseline:
+            continue
+        x, y = [], []
+        for by_name in sizes.values():
+            diffs = differences(by_name[name]["values"], by_name[study.baseline]["values"])
+            if not diffs:
+                continue
+            x += [math.log10(by_name[name]["params"])] * len(diffs)
+            y += diffs
+        slope = slope_interval(x, y)
+        if slope is not None:
+            lines.append(f"- {name} − {study.baseline}: the gap changes by {slope.mean:+.4f} "
+                         f"[{slope.low:+.4f}, {slope.high:+.4f}] bits/byte per tenfold "
+                         f"parameters ({slope.n} paired seeds over "
+                         f"{len(set(x))} sizes; least squares, 95% t-interval)"
+                         + ("" if slope.separated else ": no trend shown") + ".")
+    return lines
+
+
+def _sizes_table(study: Study, sizes: Mapping[str, Mapping[str, dict]],
+                 comparisons: list[Comparison], results: Results, out: Path) -> list[str]:
+    head = ["size", "config", "params", "training FLOPs", "seeds", "val bits/byte"]
+    lines = [f"## Trend over model size ({study.steps:,} steps, seeds 0–{study.size_seeds - 1}, "
+             "best rate each)", "",
+             "Sizes: " + "; ".join(f"{size or 'as configured'}: "
+                                  f"{' '.join(o) if o else 'the configs as they are'}"
+                                  for size, o in study.sizes.items()) + ".", "",
+             _row(head), _rule(head)]
+    for size, by_name in sizes.items():
+        for name, v in by_name.items():
+            lines.append(_row([size, study.sized(name, size),
+                               f"{v['params']:,}" if v["params"] else "–",
+                               f"{v['flops']:.3g}" if v["flops"] else "–", str(len(v["values"])),
+                               _mean_sd(list(v["values"].values()))]))
+    lines += ["", *_comparisons(comparisons), ""]
+    slopes = _slopes(study, sizes)
+    lines += [*slopes, ""] if slopes else []
+    png = out.with_name(f"{out.stem}_sizes.png")
+    if figures.plot_sizes(results, sizes, png):
+        lines += [f"![trend over size]({png.name})", ""]
+    return lines
+
+
+def _descent(study: Study, results: Results, out: Path) -> list[str]:
+    rows = []
+    for name in study.configs:
+        runs = [r for r in results.runs(name).values() if "descent" in r]
+        for kind in figures.KINDS:
+            if not runs or kind not in runs[0]["descent"]:
+                continue
+            for layer in range(len(runs[0]["descent"][kind]["down"])):
+                up, init = (statistics.fmean(1 - r[s][kind]["down"][layer][0] for r in runs)
+                            for s in ("descent", "descent_init"))
+                rows.append(_row([name, kind, str(layer), str(len(runs)), f"{up:.3%}",
+                                  f"{init:.3%}"]))
+    if not rows:
+        return []
+    head = ["config", "sub-layer", "layer", "seeds", "energy up: trained", "at initialization"]
+    tokens = next(r["descent_tokens"] for n in study.configs for r in results.runs(n).values()
+                  if "descent" in r)
+    lines = ["## Energy descent", "",
+             f"The fraction of the first {tokens:,} validation tokens whose energy went up "
+             "across each CEM sub-layer's update (step 1; the update applies the y-gradient to "
+             "x, DESIGN.md §1, so descent is not guaranteed), mean over the seeds, for the "
+             "trained parameters and for the same seeds' initial ones.", "", _row(head),
+             _rule(head), *rows, ""]
+    png = out.with_name(f"{out.stem}_descent.png")
+    if figures.plot_descent(results, png):
+        lines += [f"![energy ascent, trained and at initialization]({png.name})", ""]
+    return lines
+
+
+def _reading(study: Study, results: Results, main: list[Comparison], flops: list[Comparison],
+             sizes: list[Comparison], slopes: list[str]) -> list[str]:
+    lines = ["## Reading", "", "Each sentence restates a number of the tables above.", ""]
+    for name in study.configs:
+        best = results.best_rate(name)
+        if best is not None:
+            bad = [rate_text(r) for r, rec in sorted(results.sweep_records(name).items())
+                   if diverged(rec)]
+            lines.append(f"- {name}: best rate {rate_text(best)} of the sweep"
+                         + (f"; diverged at {', '.join(bad)}" if bad else "; no rate diverged")
+                         + ".")
+    for table, comparisons in (("equal steps", main), ("equal FLOPs", flops),
+                               ("the size trend", sizes)):
+        for c in comparisons:
+            lines.append(f"- {c.key} ({table}, {c.n} seeds): **{c.words}** "
+                         f"(Δ {c.mean:+.4f} [{c.low:+.4f}, {c.high:+.4f}], Holm p {c.p_holm:.3g},"
+                         f" TOST p {c.tost:.3g}).")
+    return lines + slopes + [""]
+
+
+def _tokens_per_s(runs) -> str:
+    speeds = [r["tokens_per_s"] for r in runs if r["tokens_per_s"] is not None]
+    return f"{statistics.median(speeds):,.0f}" if speeds else "–"
+
+
+def _mean_sd(values: list[float]) -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _rule(head: list[str]) -> str:
+    return "|" + "---|" * len(head)
+
