@@ -24,7 +24,7 @@ from cem_jax.train_config import TrainConfig, load_config
 
 # How a row's note words cem-train's exit status (`cem_jax.exits.ExitStatus`).
 _STATUS_WORDS = {1: "crashed", 2: "cannot run as configured", 3: "diverged",
-                 75: "stopped by a signal: run cem-compare again to resume it"}
+                 75: "stopped by a signal: run {program} again to resume it"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +48,9 @@ class RunSpec:
         return cls(stem, path, steps, seed, args, load_config(path, list(args)))
 
 
-def train_one(spec: RunSpec) -> dict:
-    """Train (or resume, or reuse) one run; returns its result as a dict: "ok", "note",
+def train_one(spec: RunSpec, program: str = "cem-compare") -> dict:
+    """Train (or resume, or reuse) one run, its lines on stdout and stderr headed by
+    `program`; returns its result as a dict: "ok", "note",
     "status" (cem-train's exit status, 0 for a run reused), "dir", "seed", "steps", "wall_s"
     and `read_metrics`' fields."""
     cfg, run_dir = spec.cfg, Path(spec.cfg.run.dir)
@@ -58,12 +59,12 @@ def train_one(spec: RunSpec) -> dict:
     clash = _other_run(run_dir, cfg)
     if clash:
         row["note"] = clash
-        print(f"cem-compare: {spec.stem}: {clash}", file=sys.stderr)
+        print(f"{program}: {spec.stem}: {clash}", file=sys.stderr)
         return row
     book = run_dir / "compare.json"  # training wall time summed over invocations
     wall = json.loads(book.read_text())["wall_s"] if book.is_file() else 0.0
     if not _finished(run_dir, cfg):
-        print(f"cem-compare: training {spec.stem} seed {spec.seed} ({spec.steps} steps) in "
+        print(f"{program}: training {spec.stem} seed {spec.seed} ({spec.steps} steps) in "
               f"{run_dir}", flush=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
@@ -73,10 +74,11 @@ def train_one(spec: RunSpec) -> dict:
         book.write_text(json.dumps({"wall_s": wall}))
         row["status"], row["stopped"] = status, status == exits.ExitStatus.STOPPED
         if status != 0:
-            words = _STATUS_WORDS.get(status, "killed" if status < 0 else "crashed")
+            words = _STATUS_WORDS.get(status, "killed" if status < 0 else "crashed").format(
+                program=program)
             row["note"] = (f"cem-train exited with status {status} ({words}); see "
                            f"{run_dir / 'train.log'}")
-            print(f"cem-compare: {spec.stem}: {row['note']}", file=sys.stderr)
+            print(f"{program}: {spec.stem}: {row['note']}", file=sys.stderr)
     row.update(read_metrics(run_dir, cfg), wall_s=wall)
     row["ok"] = not row["note"] and _finished(run_dir, cfg)
     return row

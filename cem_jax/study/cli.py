@@ -9,16 +9,19 @@ the time is up is finished). A run that crashes is reported and skipped for this
 diverged run is a result (its file says so). SIGINT or SIGTERM goes to the run in training,
 which stops at a safe point and saves; the report is then written from the files so far and
 the command exits 75 (run it again to resume that run). Exit status: 0, or 1 when a run
-crashed, 2 for a bad study file, 75 when a signal stopped it.
+crashed, 2 for a bad study file, a record that is not one or that another study made (the
+message names the file), or a folder it cannot write; 75 when a signal stopped it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from cem_jax import exits
 from cem_jax.compare_report import step_flops
@@ -35,8 +38,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         study = load_study(args.study)
-        flops = {name: step_flops(load_config(c.file, list(c.overrides)))
+        flops = {name: step_flops(load_config(c.file, [*study.overrides, *c.overrides]))
                  for name, c in study.all_configs().items()}
+        _check_writable(study.report.parent, "report")
+        if not args.report_only:
+            _check_writable(study.records, "records")
+        results = Results(study, read_records(study))
     except (ValueError, FileNotFoundError) as err:
         print(f"cem-study: {err}", file=sys.stderr)
         return 2
@@ -44,22 +51,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed, trained, status = set(), 0, 0
     with exits.caught("cem-study"):
         while not args.report_only and exits.received() is None:
-            results = Results(study, read_records(study))
             todo = [k for k in _planned(study, results, flops)
                     if k not in results.records and k not in failed]
             if not todo or trained == args.max_runs or (deadline and time.monotonic() > deadline):
                 break
             key = todo[0]
-            print(f"cem-study: run {key.label} ({len(todo)} to go)", flush=True)
+            print(f"cem-study: run {key.label} ({len(todo)} planned runs to go)", flush=True)
             rec, row = train_and_record(study, key)
             trained += 1
             if row["stopped"]:
                 status = int(exits.ExitStatus.STOPPED)
-            elif rec is None:
+                break
+            if rec is None:
                 failed.add(key)
                 status = 1
                 print(f"cem-study: {key.label}: {row['note']}", file=sys.stderr)
-    results = Results(study, read_records(study))
+            else:
+                results.records[key] = rec
     planned = _planned(study, results, flops)
     write_report(study, results, planned, flops_steps(study, flops),
                  "cem-study " + shlex.join(argv))
@@ -71,6 +79,18 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return int(exits.ExitStatus.STOPPED)
     return status
+
+
+def _check_writable(folder: Path, field: str) -> None:
+    """Create `folder` (the study's `field`); raises ValueError if it cannot be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot create {folder}, the folder of the study's {field} "
+                         f"({err.strerror}): choose another {field}") from None
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"cannot write in {folder}, the folder of the study's {field}: "
+                         f"choose another {field}")
 
 
 def _planned(study: Study, results: Results, flops: dict[str, float]):

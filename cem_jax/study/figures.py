@@ -21,7 +21,7 @@ import numpy as np
 
 from cem_jax.stats import paired_interval
 from cem_jax.study.analysis import Results, diverged
-from cem_jax.study.plan import Study
+from cem_jax.study.plan import Study, rate_text
 
 KINDS = ("attention", "mlp")
 
@@ -77,7 +77,8 @@ def plot_curves(results: Results, path: Path) -> bool:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Validation bits per byte during training, each config at its best learning "
-                 f"rate (mean of up to {seeds} seeds; band: min–max over the seeds)", fontsize=10)
+                 f"rate (mean of up to {seeds} seed{'s' * (seeds > 1)}; band: min–max over the "
+                 "seeds)", fontsize=10)
     return _save(fig, path)
 
 
@@ -101,6 +102,9 @@ def plot_sweep(results: Results, path: Path) -> bool:
         bad = [r for r, v in sweep.items() if v is None]
         ax.scatter(bad, [top] * len(bad), marker="x", s=60, color=style["color"], zorder=4)
     ax.set_xscale("log", base=2)
+    tried = sorted({r for n in study.configs for r in results.sweep(n)})
+    ax.set_xticks(tried, [rate_text(r) for r in tried])
+    ax.minorticks_off()
     ax.set_xlabel("peak learning rate (log scale; × on the top edge: diverged)")
     ax.set_ylabel("validation bits per byte (lower is better)")
     ax.set_title(f"Learning-rate sweep: {study.sweep_steps} steps, seed {study.sweep_seed}",
@@ -114,9 +118,10 @@ def plot_sizes(results: Results, sizes: Mapping[str, Mapping[str, dict]], path: 
     """`sizes[size][name]`: {"params", "flops", "values"} of a config at a size. Left: mean bits
     per byte against parameters (sd error bars); middle and right: the paired gap of each tied
     config to the baseline (95% interval bars) against the tied config's parameters and
-    against its training FLOPs. False when no size has runs."""
+    against its training FLOPs. False when no size has a gap with an interval."""
     study, plt = results.study, _pyplot()
-    if not any(v["values"] for by_name in sizes.values() for v in by_name.values()):
+    if not any(paired_interval(by_name[n]["values"], by_name[study.baseline]["values"])
+               for by_name in sizes.values() for n in study.size_configs if n != study.baseline):
         return False
     fig, (left, by_params, by_flops) = plt.subplots(1, 3, figsize=(15, 4.6), dpi=110)
     for name in study.size_configs:

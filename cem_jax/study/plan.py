@@ -88,6 +88,7 @@ class Study:
     size_seeds: int
     sizes: dict[str, tuple[str, ...]]  # size label -> overrides (() for the configs as they are)
     note: str = ""  # what the study leaves out, said in its report
+    margin_reason: str = ""  # why the margin is what it is, said in the report
 
     @property
     def seeds(self) -> int:
@@ -112,31 +113,75 @@ class Study:
         return found
 
 
+FIELDS = {"margin", "alpha", "power", "planning_sd", "min_seeds", "records", "runs_dir", "report",
+          "baseline", "control", "overrides", "configs", "sweep", "main", "sizes", "note",
+          "margin_reason"}
+HELP = "the fields are those of docs/study/study.yaml in the cem_jax repository"
+
+
 def load_study(path: str | Path) -> Study:
-    """The `Study` of a YAML file; raises ValueError naming a missing or wrong field."""
+    """The `Study` of a YAML file; raises ValueError naming the file and the missing, unknown
+    or wrong field (FileNotFoundError for a missing file)."""
     path = Path(path)
     try:
         spec = yaml.safe_load(path.read_text())
-        configs = {name: Config(name, entry["file"], entry.get("parent"))
-                   for name, entry in spec["configs"].items()}
-        sweep, main, sizes = spec["sweep"], spec["main"], spec["sizes"]
-        study = Study(
-            path=path, records=Path(spec["records"]), runs_dir=Path(spec["runs_dir"]),
-            report=Path(spec["report"]), margin=float(spec["margin"]),
-            alpha=float(spec["alpha"]), power=float(spec["power"]),
-            planning_sd=float(spec["planning_sd"]), min_seeds=int(spec["min_seeds"]),
-            baseline=spec["baseline"], control=spec["control"], configs=configs,
-            overrides=tuple(spec.get("overrides", ())), sweep_steps=int(sweep["steps"]),
-            sweep_eval_every=int(sweep["eval_every"]), sweep_seed=int(sweep["seed"]),
-            rates=tuple(sorted(float(r) for r in sweep["rates"])), extend=int(sweep["extend"]),
-            steps=int(main["steps"]), eval_every=int(main["eval_every"]),
-            flops_configs=tuple(main.get("flops_configs", ())),
-            size_configs=tuple(sizes["configs"]), size_seeds=int(sizes["seeds"]),
-            sizes={str(k): tuple(v or ()) for k, v in sizes["scales"].items()},
-            note=" ".join(str(spec.get("note", "")).split()))
-    except (KeyError, TypeError) as err:
-        raise ValueError(f"{path}: the study is missing or misstates {err}; see "
-                         "docs/study/study.yaml for the fields") from err
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not YAML ({err}); {HELP}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path} holds no mapping of fields; {HELP}")
+    unknown = sorted(set(spec) - FIELDS)
+    if unknown:
+        raise ValueError(f"{path}: unknown field {unknown[0]!r}; {HELP}")
+
+    def get(dotted: str, kind=str, check=lambda v: True, rule: str = "", default=None):
+        value = spec
+        for part in dotted.split("."):
+            if not isinstance(value, dict) or (part not in value and default is None):
+                raise ValueError(f"{path}: {dotted} is missing; {HELP}")
+            value = value.get(part, default)
+        try:
+            value = kind(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: {dotted} is {value!r}, not a {kind.__name__}; "
+                             f"{HELP}") from None
+        if not check(value):
+            raise ValueError(f"{path}: {dotted} is {value!r}; it must be {rule}")
+        return value
+
+    positive = (lambda v: v > 0, "> 0")
+    fraction = (lambda v: 0 < v < 1, "between 0 and 1")
+    entries = get("configs", dict, bool, "a non-empty mapping of name: {file, parent}")
+    configs = {}
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or "file" not in entry:
+            raise ValueError(f"{path}: configs.{name} needs a file (and may name a parent)")
+        configs[name] = Config(name, str(entry["file"]), entry.get("parent"))
+    rates = get("sweep.rates", tuple, bool, "a non-empty list of learning rates")
+    if not all(isinstance(r, int | float) and r > 0 for r in rates):
+        raise ValueError(f"{path}: sweep.rates {list(rates)} must be learning rates > 0")
+    scales = get("sizes.scales", dict, bool, "a mapping of size: overrides")
+    study = Study(
+        path=path, records=Path(get("records")), runs_dir=Path(get("runs_dir")),
+        report=Path(get("report")), margin=get("margin", float, *positive),
+        alpha=get("alpha", float, *fraction), power=get("power", float, *fraction),
+        planning_sd=get("planning_sd", float, *positive),
+        min_seeds=get("min_seeds", int, lambda v: v >= 2, ">= 2"),
+        baseline=get("baseline"), control=get("control"), configs=configs,
+        overrides=get("overrides", tuple, default=()),
+        sweep_steps=get("sweep.steps", int, *positive),
+        sweep_eval_every=get("sweep.eval_every", int, *positive),
+        sweep_seed=get("sweep.seed", int, lambda v: v >= 0, ">= 0"),
+        rates=tuple(sorted(float(r) for r in rates)),
+        extend=get("sweep.extend", int, lambda v: v >= 0, ">= 0"),
+        steps=get("main.steps", int, *positive), eval_every=get("main.eval_every", int, *positive),
+        flops_configs=get("main.flops_configs", tuple, default=()),
+        size_configs=get("sizes.configs", tuple), size_seeds=get("sizes.seeds", int, *positive),
+        sizes={str(k): tuple(v or ()) for k, v in scales.items()},
+        note=" ".join(get("note", default="").split()),
+        margin_reason=" ".join(get("margin_reason", default="").split()))
+    if study.steps == study.sweep_steps:
+        raise ValueError(f"{path}: main.steps and sweep.steps must differ (a run is named by "
+                         "its steps)")
     named = {study.baseline, study.control, *study.flops_configs, *study.size_configs,
              *(c.parent for c in configs.values() if c.parent)}
     unknown = sorted(named - set(configs))

@@ -54,11 +54,30 @@ def record_path(study: Study, key: RunKey) -> Path:
 
 
 def read_records(study: Study) -> dict[RunKey, dict]:
-    """Every record in the study's folder, by run."""
+    """Every record in the study's folder, by run. Raises ValueError naming a file that is not
+    a record, or one that another study made: a config file or cem-train arguments other than
+    those the study now gives its run (`run_spec`)."""
     found = {}
+    configs = study.all_configs()
     for path in sorted(study.records.glob("*.json")):
-        rec = json.loads(path.read_text())
-        found[RunKey(rec["name"], rec["lr"], rec["steps"], rec["seed"])] = rec
+        try:
+            rec = json.loads(path.read_text())
+            key = RunKey(rec["name"], rec["lr"], rec["steps"], rec["seed"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path} is not a run's record ({type(err).__name__}: {err}); "
+                             "delete it to train that run again") from None
+        if path.name != f"{key.label}.json":
+            raise ValueError(f"{path} holds the record of {key.label}: rename it "
+                             f"{key.label}.json or delete it")
+        if key.name in configs:
+            spec = run_spec(study, key)
+            made = (rec.get("config"), rec.get("cem_train_args"))
+            if made != (configs[key.name].file, list(spec.args)):
+                raise ValueError(
+                    f"{path} was made by {made[0]} with {made[1]}, but the study now gives "
+                    f"that run {configs[key.name].file} with {list(spec.args)}: move the file "
+                    f"out of {study.records} to train the run again, or restore the study")
+        found[key] = rec
     return found
 
 
@@ -77,7 +96,7 @@ def train_and_record(study: Study, key: RunKey) -> tuple[dict | None, dict]:
     when the run neither finished nor diverged, and `train_one`'s row: its "note" says why,
     its "stopped" whether a signal stopped it)."""
     spec = run_spec(study, key)
-    row = train_one(spec)
+    row = train_one(spec, "cem-study")
     if not row["ok"] and row.get("status") != ExitStatus.DIVERGED:
         return None, row
     rec = _record(study, key, spec, row)
@@ -132,7 +151,8 @@ def _ran(finished: float) -> dict:
     machine, JAX and the code's commit (`git describe --dirty`) when the record is written."""
     try:
         commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                text=True, check=True).stdout.strip()
+                                text=True, check=True,
+                                cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     date = datetime.datetime.fromtimestamp(finished, datetime.UTC)

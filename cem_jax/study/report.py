@@ -108,9 +108,9 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
             f"{', '.join(commits)}. Tokens/s were measured on a shared machine and are "
             "indicative only." if ran else "No run is recorded yet.", "",
             f"Stated before any run: the equivalence margin is ±{study.margin} bits/byte and "
-            f"the level α = {study.alpha}. The margin is set by this machine's budget, not by "
-            "a notion of a negligible difference: it is the smallest that the seeds it can "
-            "afford resolve. With a planning paired sd of {study.planning_sd} "
+            f"the level α = {study.alpha}. "
+            + (study.margin_reason + " " if study.margin_reason else "")
+            + f"With a planning paired sd of {study.planning_sd} "
             f"bits/byte, a TOST shows equivalence at a true difference of 0 with "
             f"{study.power:.0%} power from n = {n_plan} seeds (the first n with "
             "(t₁₋α,ₙ₋₁ + t₁₋β/₂,ₙ₋₁)·sd/√n ≤ margin, Julious 2004); the study trains "
@@ -127,7 +127,8 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
             "lower/higher)** when both are < α; **better**/**worse** when only the adjusted p "
             "is < α (lower bits per byte is better); **not separated** when neither is (the "
             "data do not decide). Stability: a run diverges when its loss becomes non-finite "
-            "or ends above its value at step 100 (it is left out of its comparisons, which say "
+            "or ends above its value at step 100 (the latter only for runs past step 100; a "
+            "diverged run is left out of its comparisons, which say "
             f"so); spikes: how many times the logged loss rose more than {SPIKE_NATS} nats "
             "above its running minimum (a run of such steps counts once; every step is "
             "logged).", ""]
@@ -158,9 +159,11 @@ def _sweep(study: Study, results: Results, out: Path) -> list[str]:
              "decay to the config's min_lr_ratio). The best rate is picked on one seed and on "
              "the same validation split the study reports, at this shorter budget: the "
              "reported numbers favour each config's own rate a little (every config alike); "
-             "seed 0 of the main runs shares that seed. A rate beyond an edge of the grid is "
-             "added while the best is at that edge; \"(edge)\": the best is still at an edge "
-             "of the rates tried.", "", _row(head),
+             "seed 0 of the main runs shares that seed."
+             + (f" A rate beyond an edge of the grid is added while the best is at that edge "
+                f"(up to {study.extend} in all)" if study.extend else "")
+             + "; \"(edge)\": the best is at an edge of the rates tried, so the optimum may "
+             "lie beyond them.", "", _row(head),
              _rule(head)]
     for name in names:
         recs = results.sweep_records(name)
@@ -324,9 +327,12 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
         if best is not None:
             bad = [rate_text(r) for r, rec in sorted(results.sweep_records(name).items())
                    if diverged(rec)]
+            runs = results.runs(name)
+            stability = (f"; at it, {results.diverged(name)} of {len(runs)} seeds diverged, "
+                         f"{sum(spikes(r) for r in runs.values())} loss spikes") if runs else ""
             lines.append(f"- {name}: best rate {rate_text(best)} of the sweep"
-                         + (f"; diverged at {', '.join(bad)}" if bad else "; no rate diverged")
-                         + ".")
+                         + (f" (diverged at {', '.join(bad)})" if bad else " (no rate diverged)")
+                         + stability + ".")
     for table, comparisons in (("equal steps", main), ("equal FLOPs", flops),
                                ("the size trend", sizes)):
         for c in comparisons:

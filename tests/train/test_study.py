@@ -27,6 +27,7 @@ from cem_jax.study.analysis import diverged, spikes
 from cem_jax.study.cli import main
 from cem_jax.study.figures import colours
 from cem_jax.study.plan import RunKey, load_study, plan, rate_text
+from cem_jax.study.records import run_spec
 from cem_jax.study.report import SUMMARY_END, SUMMARY_START
 from cem_jax.train_config import load_config
 
@@ -146,7 +147,12 @@ def study_file(tmp_path: Path) -> Path:
 
 
 def _write(folder: Path, rec: dict) -> None:
+    """Write `rec` as the record of its run in the study of folder/../study.yaml, with the
+    config file and cem-train arguments that study gives the run."""
+    study = load_study(folder.parent / "study.yaml")
     key = RunKey(rec["name"], rec["lr"], rec["steps"], rec["seed"])
+    rec.update(config=study.all_configs()[key.name].file,
+               cem_train_args=list(run_spec(study, key).args))
     (folder / f"{key.label}.json").write_text(json.dumps(rec))
 
 
@@ -274,6 +280,10 @@ def test_report_from_hand_written_runs(study_file: Path):
     assert row[8:10] == ["0 of 5", "0"]
     row = _table_row(equal_steps, "shakespeare_cem_mlp")
     assert row[8:10] == ["1 of 5", "1"] and row[11] == "1,000"  # its diverged seed: no tokens/s
+    assert ("- shakespeare_cem_mlp: best rate 1e-2 of the sweep (no rate diverged); at it, 1 of "
+            "5 seeds diverged, 1 loss spikes.") in text
+    assert "- shakespeare_cem_attn: best rate 1e-2 of the sweep (diverged at 2e-2); at it, 0 " \
+        "of 5 seeds diverged, 0 loss spikes." in text
 
     # the descent table: the fraction of tokens whose energy went up, trained and at init
     descent = text.split("## Energy descent")[1]
@@ -322,6 +332,39 @@ def test_plan_extends_an_edge_and_waits_for_the_sweep(study_file: Path):
     assert [k.name for k in runs if k.steps == 1500][:5] == list(study.configs)  # seed 0 first
     assert len(runs) == len(set(runs))
     assert rate_text(0.0025) == "2.5e-3" and rate_text(0.01) == "1e-2"
+
+
+def test_a_record_another_study_made_or_a_broken_one_is_refused(study_file: Path, capsys):
+    records = study_file.parent / "runs"
+    path = records / "shakespeare_cem_lr1e-2_steps1500_seed0.json"
+    rec = json.loads(path.read_text())
+    path.write_text(json.dumps({**rec, "cem_train_args": ["optimizer.lr=0.01"]}))
+    assert main([str(study_file), "--report-only"]) == 2
+    err = capsys.readouterr().err
+    assert f"cem-study: {path} was made by " in err and "move the file out of" in err
+    path.write_text(json.dumps(rec)[:100])  # a torn file
+    assert main([str(study_file), "--report-only"]) == 2
+    assert f"{path} is not a run's record (JSONDecodeError" in capsys.readouterr().err
+    assert not (study_file.parent / "results.md").exists()  # nothing written from bad records
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"margin": -0.1}, "margin is -0.1; it must be > 0"),
+    ({"margin": "abc"}, "margin is 'abc', not a float"),
+    ({"overides": []}, "unknown field 'overides'"),
+    ({"sweep": {"steps": 300}}, "sweep.rates is missing"),
+    ({"baseline": "shakespeare_lama"}, "shakespeare_lama is named but is not one of its configs"),
+])
+def test_a_bad_study_file_is_one_line_naming_the_field(study_file: Path, capsys, change,
+                                                       message):
+    spec = {**yaml.safe_load(study_file.read_text()), **change}
+    study_file.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert main([str(study_file), "--report-only"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cem-study: {study_file}: ") and message in err
+    study_file.write_text("margin: [0.05\n")
+    assert main([str(study_file)]) == 2
+    assert f"{study_file} is not YAML" in capsys.readouterr().err
 
 
 def test_stability_definitions():
