@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -69,8 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 results.records[key] = rec
     planned = _planned(study, results, flops)
-    write_report(study, results, planned, flops_steps(study, flops),
-                 "cem-study " + shlex.join(argv))
+    write_report(study, results, planned, flops_steps(study, flops))
     left = sum(k not in results.records for k in planned)
     print(f"cem-study: wrote {study.report}; {len(planned) - left} of {len(planned)} planned "
           f"runs recorded" + (" (the study is complete)" if not left else ""))

@@ -35,9 +35,10 @@ SUMMARY_END = "<!-- end of summary -->"
 
 
 def write_report(study: Study, results: Results, planned: list[RunKey],
-                 flops_steps: Mapping[str, int], command: str) -> None:
+                 flops_steps: Mapping[str, int]) -> None:
     """Write `study.report` and its PNGs. `planned`: every run the study asks for now
     (`cem_jax.study.plan.plan`); `flops_steps[name]`: a config's steps at equal FLOPs."""
+    command = f"cem-study {study.path}"
     out = study.report
     out.parent.mkdir(parents=True, exist_ok=True)
     main = compare(main_pairs(results), study.margin, study.alpha)
@@ -52,9 +53,9 @@ def write_report(study: Study, results: Results, planned: list[RunKey],
     lines = [f"# The CEM study: {', '.join(study.configs)}", "",
              f"Regenerated from the per-run files in `{study.records}` by", "", "```bash",
              command, "```", "",
-             "which first trains every planned run that has no file there (so the study "
-             "completes over as many invocations as it needs; `--report-only` trains "
-             "nothing).", ""]
+             "which first trains every planned run that has no file there, so the study "
+             "completes over as many invocations as it needs (`--report-only` regenerates the "
+             "report without training).", ""]
     lines += _what_ran(study, results, planned, main)
     lines += _summary(study, main, flops)
     lines += _sweep(study, results, out)
@@ -179,7 +180,7 @@ def _sweep(study: Study, results: Results, out: Path) -> list[str]:
                            ", ".join(bad) or "none",
                            str(sum(spikes(rec) for rec in recs.values()))]))
     png = out.with_name(f"{out.stem}_sweep.png")
-    if figures.plot_sweep(results, png):
+    if _drawn(figures.plot_sweep(results, png), png):
         lines += ["", f"![learning-rate sweep]({png.name})"]
     return lines + [""]
 
@@ -209,7 +210,7 @@ def _table(study: Study, results: Results, title: str, steps: Mapping[str, int],
     lines += ["", *_comparisons(comparisons), ""]
     if out is not None and figure:
         png = out.with_name(f"{out.stem}_{figure}.png")
-        if figures.plot_curves(results, png):
+        if _drawn(figures.plot_curves(results, png), png):
             lines += [f"![validation curves]({png.name})", ""]
     return lines
 
@@ -285,7 +286,7 @@ def _sizes_table(study: Study, sizes: Mapping[str, Mapping[str, dict]],
     slopes = _slopes(study, sizes)
     lines += [*slopes, ""] if slopes else []
     png = out.with_name(f"{out.stem}_sizes.png")
-    if figures.plot_sizes(results, sizes, png):
+    if _drawn(figures.plot_sizes(results, sizes, png), png):
         lines += [f"![trend over size]({png.name})", ""]
     return lines
 
@@ -314,7 +315,7 @@ def _descent(study: Study, results: Results, out: Path) -> list[str]:
              "trained parameters and for the same seeds' initial ones.", "", _row(head),
              _rule(head), *rows, ""]
     png = out.with_name(f"{out.stem}_descent.png")
-    if figures.plot_descent(results, png):
+    if _drawn(figures.plot_descent(results, png), png):
         lines += [f"![energy ascent, trained and at initialization]({png.name})", ""]
     return lines
 
@@ -340,6 +341,13 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
                          f"(Δ {c.mean:+.4f} [{c.low:+.4f}, {c.high:+.4f}], Holm p {c.p_holm:.3g},"
                          f" TOST p {c.tost:.3g}).")
     return lines + slopes + [""]
+
+
+def _drawn(drawn: bool, png: Path) -> bool:
+    """Whether a figure was drawn; a PNG of an earlier report that it does not replace goes."""
+    if not drawn:
+        png.unlink(missing_ok=True)
+    return drawn
 
 
 def _tokens_per_s(runs) -> str:
