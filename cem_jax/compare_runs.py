@@ -50,9 +50,8 @@ class RunSpec:
 
 def train_one(spec: RunSpec, program: str = "cem-compare") -> dict:
     """Train (or resume, or reuse) one run, its lines on stdout and stderr headed by
-    `program`; returns its result as a dict: "ok", "note",
-    "status" (cem-train's exit status, 0 for a run reused), "dir", "seed", "steps", "wall_s"
-    and `read_metrics`' fields."""
+    `program`; returns its result as a dict: "ok", "note", "status" (cem-train's exit status,
+    0 for a run reused), "dir", "seed", "steps", "wall_s" and `read_metrics`' fields."""
     cfg, run_dir = spec.cfg, Path(spec.cfg.run.dir)
     row = {"dir": str(run_dir), "seed": spec.seed, "steps": spec.steps, "ok": False, "note": "",
            "status": 0, "stopped": False}

@@ -62,8 +62,10 @@ def write_report(study: Study, results: Results, planned: list[RunKey],
     lines += _table(study, results, f"## Equal steps ({study.steps:,} steps)", {}, main, out,
                     "curves")
     if flops_steps:
-        lines += _table(study, results, "## Equal training FLOPs", flops_steps, flops, None,
-                        None)
+        title = (f"## Equal training FLOPs (those of {study.baseline} at {study.steps:,} "
+                 "steps: a config's steps = round(steps · F_baseline / F_config), F the "
+                 "analytic training FLOPs per step)")
+        lines += _table(study, results, title, flops_steps, flops, None, None)
     lines += _sizes_table(study, sizes, size_cmp, results, out)
     lines += _descent(study, results, out)
     lines += _reading(study, results, main, flops, size_cmp, _slopes(study, sizes))
