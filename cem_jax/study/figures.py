@@ -201,7 +201,9 @@ def plot_descent(results: Results, path: Path) -> bool:
         ax.set_title(f"{kind} sub-layers", fontsize=9)
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("fraction of tokens whose energy went up (log scale)")
-    axes[0].legend(fontsize=8)
+    for ax in axes:
+        if ax.has_data():
+            ax.legend(fontsize=8)
     fig.suptitle("Energy ascent across each CEM update, trained (solid) and at initialization "
                  f"(dashed); mean over the seeds, band: min–max; 0 drawn at {floor:.1e}",
                  fontsize=10)
