@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from cem_jax.stats import differences, holm, paired_interval, paired_p, tost_p, verdict
 from cem_jax.study.plan import RunKey, Study, best_rate, sweep_rates
@@ -112,30 +113,41 @@ class Results:
                    if seeds is None or s < seeds)
 
 
-Pair = tuple[str, dict[int, float], str, dict[int, float], int]
+class Pair(NamedTuple):
+    """What one comparison needs: each side's values by seed, the seeds of either side that
+    diverged, and the planned seeds not recorded yet on either side."""
+
+    row: str
+    values: dict[int, float]
+    ref: str
+    base: dict[int, float]
+    diverged: int
+    missing: int
 
 
 def compare(pairs: list[Pair], margin: float, alpha: float) -> list[Comparison]:
-    """The comparisons of one table: for each (row, its values, ref, its values, seeds of
-    either that diverged) with >= 2 seeds in common, the mean paired difference, its 95%
-    t-interval, the paired t-test's p (Holm-adjusted over the table: the family-wise error of
-    "better"/"worse" is <= alpha) and TOST's p within ±margin (not adjusted: each "matches" is
-    a claim about its own pair at level alpha, the level its seed count was planned for), and
-    `verdict`'s words; a pair with a diverged seed says how many in its words. Pairs with fewer
-    seeds are left out."""
+    """The comparisons of one table: for each pair with >= 2 seeds in common, the mean paired
+    difference, its 95% t-interval, the paired t-test's p (Holm-adjusted over the table: the
+    family-wise error of "better"/"worse" is <= alpha) and TOST's p within ±margin (not
+    adjusted: each "matches" is a claim about its own pair at level alpha, the level its seed
+    count was planned for), and `verdict`'s words: headed "interim:" while planned seeds are
+    missing (the reading may change), and saying how many seeds diverged and were left out.
+    Pairs with fewer seeds are left out."""
     found = []
-    for row, values, ref, base, bad in pairs:
-        interval = paired_interval(values, base)
+    for pair in pairs:
+        interval = paired_interval(pair.values, pair.base)
         if interval is None:
             continue
-        diffs = differences(values, base)
-        found.append(Comparison(row, ref, interval.n, interval.mean, interval.low,
-                                interval.high, paired_p(diffs), tost_p(diffs, margin), bad))
-    adjusted = holm({c.key: c.p for c in found})
-    return [dataclasses.replace(c, p_holm=adjusted[c.key], words=verdict(
-        c.mean, adjusted[c.key] < alpha, c.tost < alpha) + (
+        diffs = differences(pair.values, pair.base)
+        found.append((pair, Comparison(pair.row, pair.ref, interval.n, interval.mean,
+                                       interval.low, interval.high, paired_p(diffs),
+                                       tost_p(diffs, margin), pair.diverged)))
+    adjusted = holm({c.key: c.p for _, c in found})
+    return [dataclasses.replace(c, p_holm=adjusted[c.key], words=(
+        "interim: " if pair.missing else "") + verdict(
+            c.mean, adjusted[c.key] < alpha, c.tost < alpha) + (
             f"; {c.diverged} seed{'s' if c.diverged > 1 else ''} diverged and left out"
-            if c.diverged else "")) for c in found]
+            if c.diverged else "")) for pair, c in found]
 
 
 def main_pairs(results: Results, steps: Mapping[str, int] | None = None) -> list[Pair]:
@@ -146,20 +158,21 @@ def main_pairs(results: Results, steps: Mapping[str, int] | None = None) -> list
     references keep the study's steps."""
     s, steps = results.study, steps or {}
 
-    def side(name: str) -> tuple[dict[int, float], int]:
+    def side(name: str) -> tuple[dict[int, float], int, int]:
         at = steps.get(name)
-        return results.values(name, at), results.diverged(name, at)
+        return results.values(name, at), results.diverged(name, at), len(results.runs(name, at))
 
     pairs = []
     for name, config in s.configs.items():
         if steps and name not in steps:
             continue
-        values, bad = side(name)
+        values, bad, runs = side(name)
         refs = [s.baseline] if name != s.baseline else []
         refs += [s.control] if name not in (s.baseline, s.control) else []
         refs += [config.parent] if config.parent and config.parent not in (s.baseline,
                                                                            s.control) else []
         for ref in refs:
-            ref_values, ref_bad = side(ref)
-            pairs.append((name, values, ref, ref_values, bad + ref_bad))
+            ref_values, ref_bad, ref_runs = side(ref)
+            pairs.append(Pair(name, values, ref, ref_values, bad + ref_bad,
+                              max(0, s.seeds - min(runs, ref_runs))))
     return pairs

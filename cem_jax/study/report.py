@@ -21,6 +21,7 @@ from cem_jax.study import figures
 from cem_jax.study.analysis import (
     SPIKE_NATS,
     Comparison,
+    Pair,
     Results,
     compare,
     diverged,
@@ -45,9 +46,11 @@ def write_report(study: Study, results: Results, planned: list[RunKey],
     flops = compare(main_pairs(results, dict(flops_steps)), study.margin, study.alpha) \
         if flops_steps else []
     sizes = _sizes(results)
-    size_cmp = compare([(study.sized(n, size), by_name[n]["values"],
-                         study.sized(study.baseline, size), by_name[study.baseline]["values"],
-                         by_name[n]["diverged"] + by_name[study.baseline]["diverged"])
+    size_cmp = compare([Pair(study.sized(n, size), by_name[n]["values"],
+                             study.sized(study.baseline, size), by_name[study.baseline]["values"],
+                             by_name[n]["diverged"] + by_name[study.baseline]["diverged"],
+                             max(0, study.size_seeds - min(by_name[n]["runs"],
+                                                           by_name[study.baseline]["runs"])))
                         for size, by_name in sizes.items() for n in study.size_configs
                         if n != study.baseline], study.margin, study.alpha)
     lines = [f"# The CEM study: {', '.join(study.configs)}", "",
@@ -129,10 +132,11 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
             "when TOST p < α and the adjusted p ≥ α; **matches (within the margin, though "
             "lower/higher)** when both are < α; **better**/**worse** when only the adjusted p "
             "is < α (lower bits per byte is better); **not separated** when neither is (the "
-            "data do not decide). Stability: a run diverges when its loss becomes non-finite "
-            "or ends above its value at step 100 (the latter only for runs past step 100; a "
-            "diverged run is left out of its comparisons, which say "
-            f"so); spikes: how many times the logged loss rose more than {SPIKE_NATS} nats "
+            "data do not decide); headed **interim:** while a side lacks planned seeds (the "
+            "reading may change as they come). Stability: a run diverges when its loss "
+            "becomes non-finite or ends above its value at step 100 (the latter only for runs "
+            "past step 100; a diverged run is left out of its comparisons, which say so); "
+            f"spikes: how many times the logged loss rose more than {SPIKE_NATS} nats "
             "above its running minimum (a run of such steps counts once; every step is "
             "logged).", ""]
 
@@ -229,7 +233,7 @@ def _comparisons(comparisons: list[Comparison]) -> list[str]:
 
 
 def _sizes(results: Results) -> dict[str, dict[str, dict]]:
-    """{size: {config: {"params", "flops", "values", "diverged"}}} of the trend's configs at
+    """{size: {config: {"params", "flops", "values", "diverged", "runs"}}} of the trend's configs at
     each size, over its first `sizes.seeds` seeds (at the configs' own size too)."""
     study, found = results.study, {}
     for size in study.sizes:
@@ -240,7 +244,8 @@ def _sizes(results: Results) -> dict[str, dict[str, dict]]:
             by_name[name] = {"params": first["params"] if first else None,
                              "flops": first["training_flops"] if first else None,
                              "values": results.values(sized, seeds=study.size_seeds),
-                             "diverged": results.diverged(sized, seeds=study.size_seeds)}
+                             "diverged": results.diverged(sized, seeds=study.size_seeds),
+                             "runs": sum(s < study.size_seeds for s in results.runs(sized))}
         found[size] = by_name
     return found
 

@@ -294,6 +294,17 @@ def test_report_from_hand_written_runs(study_file: Path):
         assert (study.report.parent / f"results_{name}.png").read_bytes()[:8] == PNG
 
 
+def test_a_comparison_lacking_planned_seeds_is_interim(study_file: Path):
+    (study_file.parent / "runs" / "shakespeare_cem_attn_lr1e-2_steps1500_seed4.json").unlink()
+    assert main([str(study_file), "--report-only"]) == 0
+    text = load_study(study_file).report.read_text()
+    assert "**The study is not complete**: 1 planned runs have no file yet" in text
+    assert _table_row(text, "shakespeare_cem_attn vs shakespeare_llama")[1] == "4"
+    assert _table_row(text, "shakespeare_cem_attn vs shakespeare_llama")[5] == \
+        "**interim: not separated**"
+    assert _table_row(text, "shakespeare_cem vs shakespeare_llama")[5] == "**matches**"
+
+
 def test_one_colour_per_config_in_every_figure(study_file: Path):
     study = load_study(study_file)
     found = colours(study)
