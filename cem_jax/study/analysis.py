@@ -79,16 +79,15 @@ class Results:
     def __init__(self, study: Study, records: Mapping[RunKey, dict]):
         self.study, self.records = study, dict(records)
 
-    def sweep(self, name: str) -> dict[float, float | None]:
-        """{rate: final validation bits per byte, None if diverged} of a config's sweep."""
-        s = self.study
-        return {k.lr: bits_per_byte(r) for k, r in self.records.items()
-                if k.name == name and k.steps == s.sweep_steps and k.seed == s.sweep_seed}
-
     def sweep_records(self, name: str) -> dict[float, dict]:
+        """{rate: record} of a config's sweep."""
         s = self.study
         return {k.lr: r for k, r in self.records.items()
                 if k.name == name and k.steps == s.sweep_steps and k.seed == s.sweep_seed}
+
+    def sweep(self, name: str) -> dict[float, float | None]:
+        """{rate: final validation bits per byte, None if diverged} of a config's sweep."""
+        return {lr: bits_per_byte(r) for lr, r in self.sweep_records(name).items()}
 
     def best_rate(self, name: str) -> float | None:
         results = self.sweep(name)
