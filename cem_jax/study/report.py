@@ -69,9 +69,10 @@ def write_report(study: Study, results: Results, planned: list[RunKey],
                  "steps: a config's steps = round(steps · F_baseline / F_config), F the "
                  "analytic training FLOPs per step)")
         lines += _table(study, results, title, flops_steps, flops, None, None)
-    lines += _sizes_table(study, sizes, size_cmp, results, out)
+    slopes = _slopes(study, sizes)
+    lines += _sizes_table(study, sizes, size_cmp, slopes, results, out)
     lines += _descent(study, results, out)
-    lines += _reading(study, results, main, flops, size_cmp, _slopes(study, sizes))
+    lines += _reading(study, results, main, flops, size_cmp, slopes)
     out.write_text("\n".join(lines))
 
 
@@ -275,7 +276,8 @@ def _slopes(study: Study, sizes: Mapping[str, Mapping[str, dict]]) -> list[str]:
 
 
 def _sizes_table(study: Study, sizes: Mapping[str, Mapping[str, dict]],
-                 comparisons: list[Comparison], results: Results, out: Path) -> list[str]:
+                 comparisons: list[Comparison], slopes: list[str], results: Results,
+                 out: Path) -> list[str]:
     head = ["size", "config", "params", "training FLOPs", "seeds", "val bits/byte"]
     lines = [f"## Trend over model size ({study.steps:,} steps, seeds 0–{study.size_seeds - 1}, "
              "best rate each)", "",
@@ -290,7 +292,6 @@ def _sizes_table(study: Study, sizes: Mapping[str, Mapping[str, dict]],
                                f"{v['flops']:.3g}" if v["flops"] else "–", str(len(v["values"])),
                                _mean_sd(list(v["values"].values()))]))
     lines += ["", *_comparisons(comparisons), ""]
-    slopes = _slopes(study, sizes)
     lines += [*slopes, ""] if slopes else []
     png = out.with_name(f"{out.stem}_sizes.png")
     if _drawn(figures.plot_sizes(results, sizes, png), png):
