@@ -22,6 +22,9 @@ from cem_jax.evaluate import bits_per_byte_of
 from cem_jax.train.metrics import logged_records, logged_values
 from cem_jax.train_config import TrainConfig, load_config
 
+# What to do when a run's directory holds another run (cem-compare and cem-study both train here).
+_ELSEWHERE = ("move that directory away, or train in another runs directory (cem-compare's "
+              "--runs-dir, a study file's runs_dir)")
 # How a row's note words cem-train's exit status (`cem_jax.exits.ExitStatus`).
 _STATUS_WORDS = {1: "crashed", 2: "cannot run as configured", 3: "diverged",
                  75: "stopped by a signal: run {program} again to resume it"}
@@ -124,9 +127,8 @@ def _other_run(run_dir: Path, cfg: TrainConfig) -> str:
     new = cfg.to_dict()
     for section in ("model", "data", "optimizer"):
         if saved[section] != new[section]:
-            return f"{run_dir} holds a run with another {section} section; use another --runs-dir"
+            return f"{run_dir} holds a run with another {section} section; {_ELSEWHERE}"
     for key in ("steps", "seed"):
         if saved["run"][key] != new["run"][key]:
-            return (f"{run_dir} holds a run with run.{key}={saved['run'][key]}; use another "
-                    f"--runs-dir")
+            return f"{run_dir} holds a run with run.{key}={saved['run'][key]}; {_ELSEWHERE}"
     return ""

@@ -21,12 +21,13 @@ from flax import nnx
 from train_helpers import REPO
 
 from cem_jax.compare import budget_steps, main
+from cem_jax.compare_runs import RunSpec, train_one
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run
 from cem_jax.model import CEMTransformer, count_params
 from cem_jax.rundir import load_run
 from cem_jax.stats import paired_interval
 from cem_jax.train.metrics import flops_per_token, logged_records
-from cem_jax.train_config import load_config
+from cem_jax.train_config import load_config, save_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -135,6 +136,24 @@ def test_a_run_killed_mid_write_is_a_failed_row(tiny_overrides, tmp_path, monkey
     assert main(argv) == 1
     assert "llama seed 0 (4 steps): cem-train exited with status -9 (killed)" in \
         (tmp_path / "r.md").read_text()
+
+
+def test_a_runs_directory_holding_another_run_is_refused(tiny_overrides, tmp_path, capsys):
+    """A run's directory that holds a run of another model (or seed) is not trained over: the
+    row says which section differs and what to do, headed by the calling command."""
+    config = CONFIGS / "shakespeare_cem.yaml"
+    spec = RunSpec.make("cem", str(config), 4, 0, 2, tmp_path / "runs", tiny_overrides)
+    other = RunSpec.make("cem", str(config), 4, 0, 2, tmp_path / "runs",
+                         [*tiny_overrides, "model.num_layers=1"])
+    run_dir = Path(spec.cfg.run.dir)
+    run_dir.mkdir(parents=True)
+    save_config(other.cfg, run_dir / "config.yaml")
+    row = train_one(spec, "cem-study")
+    assert not row["ok"] and row["status"] == 0
+    assert row["note"].startswith(f"{run_dir} holds a run with another model section; move "
+                                  "that directory away, or train in another runs directory")
+    assert capsys.readouterr().err.startswith(f"cem-study: cem: {run_dir} holds a run")
+    assert not (run_dir / "metrics.jsonl").exists()  # nothing trained over it
 
 
 @pytest.mark.slow  # ~70 s: four runs; the default run keeps the two cem-compare tests above
