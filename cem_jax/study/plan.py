@@ -1,7 +1,7 @@
 """The study's specification (`Study`, read from its YAML file by `load_study`) and the runs it
 asks for once the runs already recorded are known (`plan`).
 
-A run is one config name ("shakespeare_cem", or "shakespeare_cem-d64" for a config at a size of
+A run is one config name ("shakespeare_cem", or "shakespeare_cem-d48" for a config at a size of
 the trend) trained at one learning rate for some steps with one seed (`RunKey`). The plan, in
 the order it trains:
 
@@ -188,6 +188,9 @@ def load_study(path: str | Path) -> Study:
     if unknown:
         raise ValueError(f"{path}: {unknown[0]} is named but is not one of its configs "
                          f"({', '.join(configs)})")
+    if study.baseline not in study.size_configs or len(set(study.size_configs)) < 2:
+        raise ValueError(f"{path}: sizes.configs must hold the baseline {study.baseline} and "
+                         "at least one other config (the trend is their gap)")
     if list(study.sizes.values()).count(()) != 1:
         raise ValueError(f"{path}: sizes.scales needs exactly one size without overrides (the "
                          "configs as they are)")
@@ -203,13 +206,16 @@ def rate_text(lr: float) -> str:
 def sweep_rates(study: Study, results: Mapping[float, float | None]) -> list[float]:
     """The rates of one config's sweep given its results so far ({rate: final validation bits
     per byte, None if it diverged}): the grid and, while the best rate is at an edge of the
-    rates so far, the next ×2 or ÷2 beyond it, up to `extend` rates added in all."""
+    rates so far (or every rate diverged: the lower edge), the next ×2 or ÷2 beyond it, up to
+    `extend` rates added in all."""
     rates = list(study.rates)
     for _ in range(study.extend):
-        best = best_rate(rates, results)
-        if best is None:
+        if any(r not in results for r in rates):
             break
-        if best == rates[-1]:
+        best = best_rate(rates, results)
+        if best is None:  # every rate diverged
+            rates.insert(0, rates[0] / 2)
+        elif best == rates[-1]:
             rates.append(rates[-1] * 2)
         elif best == rates[0]:
             rates.insert(0, rates[0] / 2)
