@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 
 import scipy.stats
 
@@ -74,7 +74,7 @@ def tost_p(diffs: list[float], margin: float) -> float:
     return float(max(lower, upper))
 
 
-def holm(pvalues: Mapping[str, float]) -> dict[str, float]:
+def holm(pvalues: Mapping[Hashable, float]) -> dict[Hashable, float]:
     """Holm-adjusted p-values of a family: sorted ascending p_(1) <= ... <= p_(m), the
     adjusted p_(i) = max_{j <= i} min(1, (m - j + 1) · p_(j)); a test is rejected at level α
     when its adjusted p-value is below α (family-wise error <= α)."""

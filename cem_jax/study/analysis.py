@@ -1,7 +1,7 @@
 """The numbers of the study's report, from its records (`cem_jax.study.records`): stability of a
 run (`diverged`, `spikes`), each config's values by seed (`Results`), and the comparisons of a
-table with their tests (`compare`: paired t-interval, two-sided p Holm-adjusted over
-the table, TOST's p, and the words they earn: `cem_jax.stats.verdict`).
+report with their tests (`compare`: paired t-intervals, two-sided p Holm-adjusted over the
+report's distinct comparisons, TOST's p, and the words they earn: `cem_jax.stats.verdict`).
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ class Comparison:
     ref: str
     n: int
     mean: float
-    low: float
+    low: float  # the 95% t-interval
     high: float
+    low90: float  # the 90% t-interval: inside ±margin exactly when TOST shows equivalence
+    high90: float
     p: float  # two-sided paired t-test, raw
     tost: float  # TOST within ±margin (not adjusted: see `compare`)
     diverged: int = 0
@@ -90,8 +92,15 @@ class Results:
         return {lr: bits_per_byte(r) for lr, r in self.sweep_records(name).items()}
 
     def best_rate(self, name: str) -> float | None:
+        """The config's best rate; None until its sweep is done, or if every rate diverged."""
         results = self.sweep(name)
         return best_rate(sweep_rates(self.study, results), results)
+
+    def all_diverged(self, name: str) -> bool:
+        """The config's sweep is done and every rate of it diverged (no seeds are planned)."""
+        results = self.sweep(name)
+        rates = sweep_rates(self.study, results)
+        return all(r in results for r in rates) and best_rate(rates, results) is None
 
     def runs(self, name: str, steps: int | None = None) -> dict[int, dict]:
         """{seed: record} of a config at its best rate for `steps` (default: the study's)."""
@@ -106,47 +115,61 @@ class Results:
         return {s: v for s, r in self.runs(name, steps).items()
                 if (v := bits_per_byte(r)) is not None and (seeds is None or s < seeds)}
 
-    def diverged(self, name: str, steps: int | None = None, seeds: int | None = None) -> int:
-        """How many of the config's runs diverged (of the first `seeds` seeds, when given)."""
-        return sum(diverged(r) for s, r in self.runs(name, steps).items()
-                   if seeds is None or s < seeds)
+    def diverged(self, name: str, steps: int | None = None, seeds: int | None = None
+                 ) -> set[int]:
+        """The seeds of the config's runs that diverged (of the first `seeds` seeds, when
+        given)."""
+        return {s for s, r in self.runs(name, steps).items()
+                if diverged(r) and (seeds is None or s < seeds)}
 
 
 class Pair(NamedTuple):
-    """What one comparison needs: each side's values by seed, the seeds of either side that
-    diverged, and the planned seeds not recorded yet on either side."""
+    """What one comparison needs: each side's values by seed, the seeds that diverged on
+    either side, and the planned seeds not recorded yet on either side."""
 
     row: str
     values: dict[int, float]
     ref: str
     base: dict[int, float]
-    diverged: int
+    diverged: set[int]
     missing: int
 
 
-def compare(pairs: list[Pair], margin: float, alpha: float) -> list[Comparison]:
-    """The comparisons of one table: for each pair with >= 2 seeds in common, the mean paired
-    difference, its 95% t-interval, the paired t-test's p (Holm-adjusted over the table: the
-    family-wise error of "better"/"worse" is <= alpha) and TOST's p within ±margin (not
-    adjusted: each "matches" is a claim about its own pair at level alpha, the level its seed
-    count was planned for), and `verdict`'s words: headed "interim:" while planned seeds are
-    missing (the reading may change), and saying how many seeds diverged and were left out.
-    Pairs with fewer seeds are left out."""
-    found = []
-    for pair in pairs:
-        interval = paired_interval(pair.values, pair.base)
-        if interval is None:
-            continue
-        diffs = differences(pair.values, pair.base)
-        found.append((pair, Comparison(pair.row, pair.ref, interval.n, interval.mean,
-                                       interval.low, interval.high, paired_p(diffs),
-                                       tost_p(diffs, margin), pair.diverged)))
-    adjusted = holm({c.key: c.p for _, c in found})
-    return [dataclasses.replace(c, p_holm=adjusted[c.key], words=(
+def compare(tables: Mapping[str, list[Pair]], margin: float, alpha: float
+            ) -> tuple[dict[str, list[Comparison]], int]:
+    """The comparisons of a report's tables ({table: pairs}) and the number of distinct tests
+    among them. For each pair with >= 2 seeds in common: the mean paired difference, its 95%
+    and 90% t-intervals, the paired t-test's p, Holm-adjusted over every distinct comparison
+    of the report (the family-wise error of all its "better"/"worse" is <= alpha; a pair shown
+    in two tables on the same runs is one test, so it reads the same in both), and TOST's p
+    within ±margin (not adjusted: each "matches" is a claim about its own pair at level alpha,
+    the level its seed count was planned for; equivalent to the 90% interval lying inside
+    ±margin), and `verdict`'s words: headed "interim:" while planned seeds are missing (the
+    reading may change), and saying how many seeds diverged and were left out. Pairs with
+    fewer seeds are left out."""
+    found, tests = {}, {}
+    for table, pairs in tables.items():
+        found[table] = []
+        for pair in pairs:
+            interval = paired_interval(pair.values, pair.base)
+            if interval is None:
+                continue
+            narrow = paired_interval(pair.values, pair.base, level=1 - 2 * alpha)
+            diffs = differences(pair.values, pair.base)
+            c = Comparison(pair.row, pair.ref, interval.n, interval.mean, interval.low,
+                           interval.high, narrow.low, narrow.high, paired_p(diffs),
+                           tost_p(diffs, margin), len(pair.diverged))
+            test = (c.key, tuple(sorted(s for s in pair.values if s in pair.base)),
+                    tuple(diffs))
+            tests[test] = c.p
+            found[table].append((pair, test, c))
+    p_holm = holm(tests)
+    return {table: [dataclasses.replace(c, p_holm=p_holm[test], words=(
         "interim: " if pair.missing else "") + verdict(
-            c.mean, adjusted[c.key] < alpha, c.tost < alpha) + (
+            c.mean, p_holm[test] < alpha, c.tost < alpha) + (
             f"; {c.diverged} seed{'s' if c.diverged > 1 else ''} diverged and left out"
-            if c.diverged else "")) for pair, c in found]
+            if c.diverged else "")) for pair, test, c in rows]
+        for table, rows in found.items()}, len(tests)
 
 
 def main_pairs(results: Results, steps: Mapping[str, int] | None = None) -> list[Pair]:
@@ -157,7 +180,7 @@ def main_pairs(results: Results, steps: Mapping[str, int] | None = None) -> list
     references keep the study's steps."""
     s, steps = results.study, steps or {}
 
-    def side(name: str) -> tuple[dict[int, float], int, int]:
+    def side(name: str) -> tuple[dict[int, float], set[int], int]:
         at = steps.get(name)
         return results.values(name, at), results.diverged(name, at), len(results.runs(name, at))
 
@@ -172,6 +195,6 @@ def main_pairs(results: Results, steps: Mapping[str, int] | None = None) -> list
                                                                            s.control) else []
         for ref in refs:
             ref_values, ref_bad, ref_runs = side(ref)
-            pairs.append(Pair(name, values, ref, ref_values, bad + ref_bad,
+            pairs.append(Pair(name, values, ref, ref_values, bad | ref_bad,
                               max(0, s.seeds - min(runs, ref_runs))))
     return pairs

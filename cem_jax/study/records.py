@@ -162,10 +162,16 @@ def _ran(finished: float) -> dict:
 
 
 def _cpu() -> str:
+    """The CPU's name with its family and model numbers ("AMD EPYC, family 23, model 1"): a
+    virtual machine may show only the vendor's name, the same for CPUs of different speeds."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        info = dict(line.split(":", 1) for line in
+                    Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                    if ":" in line)
     except OSError:
-        pass
-    return ""
+        return ""
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    numbers = [f"family {info['cpu family']}"] if "cpu family" in info else []
+    numbers += [f"model {info['model']}"] if "model" in info else []
+    name = info.get("model name", "")
+    return ", ".join([name, *numbers]) if name else ""

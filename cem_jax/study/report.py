@@ -42,24 +42,25 @@ def write_report(study: Study, results: Results, planned: list[RunKey],
     command = f"cem-study {study.path}"
     out = study.report
     out.parent.mkdir(parents=True, exist_ok=True)
-    main = compare(main_pairs(results), study.margin, study.alpha)
-    flops = compare(main_pairs(results, dict(flops_steps)), study.margin, study.alpha) \
-        if flops_steps else []
     sizes = _sizes(results)
-    size_cmp = compare([Pair(study.sized(n, size), by_name[n]["values"],
-                             study.sized(study.baseline, size), by_name[study.baseline]["values"],
-                             by_name[n]["diverged"] + by_name[study.baseline]["diverged"],
-                             max(0, study.size_seeds - min(by_name[n]["runs"],
-                                                           by_name[study.baseline]["runs"])))
-                        for size, by_name in sizes.items() for n in study.size_configs
-                        if n != study.baseline], study.margin, study.alpha)
+    tables, tests = compare({
+        "main": main_pairs(results),
+        "flops": main_pairs(results, dict(flops_steps)) if flops_steps else [],
+        "sizes": [Pair(study.sized(n, size), by_name[n]["values"],
+                       study.sized(study.baseline, size), by_name[study.baseline]["values"],
+                       by_name[n]["diverged"] | by_name[study.baseline]["diverged"],
+                       max(0, study.size_seeds - min(by_name[n]["runs"],
+                                                     by_name[study.baseline]["runs"])))
+                  for size, by_name in sizes.items() for n in study.size_configs
+                  if n != study.baseline]}, study.margin, study.alpha)
+    main, flops, size_cmp = tables["main"], tables["flops"], tables["sizes"]
     lines = [f"# The CEM study: {', '.join(study.configs)}", "",
              f"Regenerated from the per-run files in `{study.records}` by", "", "```bash",
              command, "```", "",
              "which first trains every planned run that has no file there, so the study "
              "completes over as many invocations as it needs (`--report-only` regenerates the "
              "report without training).", ""]
-    lines += _what_ran(study, results, planned, main)
+    lines += _what_ran(study, results, planned, main, tests)
     lines += _summary(study, main, flops)
     lines += _sweep(study, results, out)
     lines += _table(study, results, f"## Equal steps ({study.steps:,} steps)", {}, main, out,
@@ -77,7 +78,7 @@ def write_report(study: Study, results: Results, planned: list[RunKey],
 
 
 def _what_ran(study: Study, results: Results, planned: list[RunKey],
-              main: list[Comparison]) -> list[str]:
+              main: list[Comparison], tests: int) -> list[str]:
     recs = list(results.records.values())
     done = [k for k in planned if k in results.records]
     core = study.configs
@@ -99,9 +100,13 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
     observed = ""
     if sds:
         sd = statistics.median(sds)
-        observed = (f" The paired standard deviations observed so far (comparisons of the "
-                    f"equal-steps table with ≥ 3 seeds) have median {sd:.4f} bits/byte; at that "
-                    f"sd, {study.seeds} seeds give {study.power:.0%} power for a margin of "
+        observed = ((f" The paired standard deviations observed so far, in the {len(sds)} "
+                     "comparisons of the equal-steps table with ≥ 3 seeds, range from "
+                     f"{min(sds):.4f} to {max(sds):.4f} bits/byte (median {sd:.4f}); at the "
+                     "median" if len(sds) > 1 else
+                     " The paired standard deviation observed so far, in the one comparison of "
+                     f"the equal-steps table with ≥ 3 seeds, is {sd:.4f} bits/byte; at that sd")
+                    + f", {study.seeds} seeds give {study.power:.0%} power for a margin of "
                     f"±{equivalence_margin(study.seeds, sd, study.alpha, study.power):.3f}.")
     status = ("The study is complete." if len(done) == len(planned) else
               f"**The study is not complete**: {len(planned) - len(done)} planned runs have no "
@@ -112,8 +117,9 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
             f"Runs recorded: {len(done)} of the {len(planned)} planned now ({progress}). "
             + status, "", *([study.note, ""] if study.note else []),
             f"Trained {ran[0]} to {ran[-1]} on {'; '.join(machines)}, code "
-            f"{', '.join(commits)}. Tokens/s were measured on a shared machine and are "
-            "indicative only." if ran else "No run is recorded yet.", "",
+            f"{', '.join(commits)}. Tokens/s were measured on shared machines, whose speed may "
+            "differ between sessions, and are indicative only (`benchmarks/train_step.py` "
+            "times configs side by side)." if ran else "No run is recorded yet.", "",
             f"Stated before any run: the equivalence margin is ±{study.margin} bits/byte and "
             f"the level α = {study.alpha}. "
             + (study.margin_reason + " " if study.margin_reason else "")
@@ -125,11 +131,15 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
             "Each run: `run.seed = data.seed = seed` (model init and data order). Validation "
             "is the whole held-out split, after the last step. Δ: row − reference paired by "
             "seed over the seeds both have that did not diverge, mean [95% t-interval, not "
-            "adjusted]. p: the two-sided paired t-test, Holm-adjusted over the comparisons of "
-            "its table (so an interval that excludes 0 may still read not separated); TOST p: "
-            f"the larger of the two one-sided tests of Δ ≤ −{study.margin} and "
-            f"Δ ≥ +{study.margin}, not adjusted (each equivalence is a claim about its own "
-            "pair at level α, the level the seed count is planned for). Words: **matches** "
+            "adjusted]. p: the two-sided paired t-test, raw and (in parentheses) "
+            f"Holm-adjusted over the {tests} distinct comparisons of this report (a comparison "
+            "shown in two tables on the same runs is one test and reads the same in both; an "
+            "interval that excludes 0 may still read not separated); TOST p: the larger of "
+            f"the two one-sided tests of Δ ≤ −{study.margin} and Δ ≥ +{study.margin}, not "
+            "adjusted (each equivalence is a claim about its own pair at level α, the level "
+            f"the seed count is planned for): it is below α exactly when the "
+            f"{1 - 2 * study.alpha:.0%} t-interval, shown beside the 95% one, lies inside "
+            f"±{study.margin}. Words: **matches** "
             "when TOST p < α and the adjusted p ≥ α; **matches (within the margin, though "
             "lower/higher)** when both are < α; **better**/**worse** when only the adjusted p "
             "is < α (lower bits per byte is better); **not separated** when neither is (the "
@@ -145,14 +155,17 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
 def _summary(study: Study, main: list[Comparison], flops: list[Comparison]) -> list[str]:
     lines = [SUMMARY_START]
     wanted = [(c, f"{study.steps:,} steps") for c in main] + [
-        (c, "equal training FLOPs") for c in flops if c.ref == study.baseline]
+        (c, "equal training FLOPs") for c in flops if c.ref == study.baseline
+        and c not in main]  # a config whose FLOPs are the baseline's: its line is above
     if not wanted:
         lines.append("No comparison has two seeds yet.")
     for c, budget in wanted:
-        lines.append(f"- {c.key}, {budget}: **{c.words}**, Δ {c.mean:+.4f} "
-                     f"[{c.low:+.4f}, {c.high:+.4f}] bits/byte over {c.n} seeds.")
-    return ["## Summary", "", f"Margin ±{study.margin} bits/byte; Δ: row − reference, 95% "
-            "interval; words as defined above.", "", *lines, SUMMARY_END, ""]
+        lines.append(f"- {c.key}, {budget}: **{c.words}**, Δ {c.mean:+.4f} bits/byte, 95% "
+                     f"[{c.low:+.4f}, {c.high:+.4f}], {1 - 2 * study.alpha:.0%} "
+                     f"[{c.low90:+.4f}, {c.high90:+.4f}], over {c.n} seeds.")
+    return ["## Summary", "", f"Margin ±{study.margin} bits/byte; Δ: row − reference with its "
+            f"95% and {1 - 2 * study.alpha:.0%} intervals (the latter inside the margin: "
+            "equivalence); words as defined above.", "", *lines, SUMMARY_END, ""]
 
 
 def _sweep(study: Study, results: Results, out: Path) -> list[str]:
@@ -183,6 +196,7 @@ def _sweep(study: Study, results: Results, out: Path) -> list[str]:
         edge = best is not None and best in (min(recs), max(recs))
         bad = [rate_text(r) for r, rec in sorted(recs.items()) if diverged(rec)]
         lines.append(_row([name, *cells, (rate_text(best) + " (edge)" * edge) if best
+                           else "none: every rate diverged" if results.all_diverged(name)
                            else "(sweep not done)",
                            ", ".join(bad) or "none",
                            str(sum(spikes(rec) for rec in recs.values()))]))
@@ -214,7 +228,7 @@ def _table(study: Study, results: Results, title: str, steps: Mapping[str, int],
             f"{len(runs) - len(ok)} of {len(runs)}", str(sum(spikes(r) for r in runs.values())),
             f"{max(max_grad_norm(r) for r in runs.values()):.3g}",
             _tokens_per_s(runs.values())]))
-    lines += ["", *_comparisons(comparisons), ""]
+    lines += ["", *_comparisons(comparisons, study.alpha), ""]
     if out is not None and figure:
         png = out.with_name(f"{out.stem}_{figure}.png")
         if _drawn(figures.plot_curves(results, png), png):
@@ -222,15 +236,15 @@ def _table(study: Study, results: Results, title: str, steps: Mapping[str, int],
     return lines
 
 
-def _comparisons(comparisons: list[Comparison]) -> list[str]:
+def _comparisons(comparisons: list[Comparison], alpha: float) -> list[str]:
     if not comparisons:
         return ["No comparison has two seeds in common yet."]
-    head = ["comparison", "seeds", "Δ bits/byte [95% CI]", "p (Holm-adjusted)", "TOST p",
-            "reading"]
+    head = ["comparison", "seeds", "Δ bits/byte [95% CI]", f"{1 - 2 * alpha:.0%} CI",
+            "p, raw (Holm)", "TOST p", "reading"]
     return [_row(head), _rule(head), *(_row([
         c.key, str(c.n), f"{c.mean:+.4f} [{c.low:+.4f}, {c.high:+.4f}]",
-        f"{c.p:.3g} ({c.p_holm:.3g})", f"{c.tost:.3g}", f"**{c.words}**"])
-        for c in comparisons)]
+        f"[{c.low90:+.4f}, {c.high90:+.4f}]", f"{c.p:.3g} ({c.p_holm:.3g})", f"{c.tost:.3g}",
+        f"**{c.words}**"]) for c in comparisons)]
 
 
 def _sizes(results: Results) -> dict[str, dict[str, dict]]:
@@ -253,11 +267,14 @@ def _sizes(results: Results) -> dict[str, dict[str, dict]]:
 
 def _slopes(study: Study, sizes: Mapping[str, Mapping[str, dict]]) -> list[str]:
     """Per tied config of the trend: the least-squares slope of its paired gap to the baseline
-    (every seed of every size) on log10 of its parameters, with a 95% interval."""
+    (every seed of every size) on log10 of its parameters, with a 95% interval; headed
+    "interim:" while a size lacks planned seeds on either side."""
     lines = []
     for name in study.size_configs:
         if name == study.baseline:
             continue
+        interim = any(by_name[n]["runs"] < study.size_seeds for by_name in sizes.values()
+                      for n in (name, study.baseline))
         x, y = [], []
         for by_name in sizes.values():
             diffs = differences(by_name[name]["values"], by_name[study.baseline]["values"])
@@ -267,7 +284,8 @@ def _slopes(study: Study, sizes: Mapping[str, Mapping[str, dict]]) -> list[str]:
             y += diffs
         slope = slope_interval(x, y)
         if slope is not None:
-            lines.append(f"- {name} − {study.baseline}: the gap changes by {slope.mean:+.4f} "
+            lines.append(f"- {'interim: ' * interim}{name} − {study.baseline}: the gap "
+                         f"changes by {slope.mean:+.4f} "
                          f"[{slope.low:+.4f}, {slope.high:+.4f}] bits/byte per tenfold "
                          f"parameters ({slope.n} paired seeds over "
                          f"{len(set(x))} sizes; least squares, 95% t-interval)"
@@ -291,7 +309,7 @@ def _sizes_table(study: Study, sizes: Mapping[str, Mapping[str, dict]],
                                f"{v['params']:,}" if v["params"] else "–",
                                f"{v['flops']:.3g}" if v["flops"] else "–", str(len(v["values"])),
                                _mean_sd(list(v["values"].values()))]))
-    lines += ["", *_comparisons(comparisons), ""]
+    lines += ["", *_comparisons(comparisons, study.alpha), ""]
     lines += [*slopes, ""] if slopes else []
     png = out.with_name(f"{out.stem}_sizes.png")
     if _drawn(figures.plot_sizes(results, sizes, png), png):
@@ -318,7 +336,8 @@ def _descent(study: Study, results: Results, out: Path) -> list[str]:
                   if "descent" in r)
     lines = ["## Energy descent", "",
              f"The fraction of the first {tokens:,} validation tokens whose energy went up "
-             "across each CEM sub-layer's update (step 1; the update applies the y-gradient to "
+             "(did not go down: an unchanged energy counts as up) across each CEM sub-layer's "
+             "update (step 1; the update applies the y-gradient to "
              "x, DESIGN.md §1, so descent is not guaranteed), mean over the seeds, for the "
              "trained parameters and for the same seeds' initial ones.", "", _row(head),
              _rule(head), *rows, ""]
@@ -337,11 +356,16 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
             bad = [rate_text(r) for r, rec in sorted(results.sweep_records(name).items())
                    if diverged(rec)]
             runs = results.runs(name)
-            stability = (f"; at it, {results.diverged(name)} of {len(runs)} seeds diverged, "
+            stability = (f"; at it, {len(results.diverged(name))} of {len(runs)} seeds "
+                         f"diverged, "
                          f"{sum(spikes(r) for r in runs.values())} loss spikes") if runs else ""
             lines.append(f"- {name}: best rate {rate_text(best)} of the sweep"
                          + (f" (diverged at {', '.join(bad)})" if bad else " (no rate diverged)")
                          + stability + ".")
+        elif results.all_diverged(name):
+            rates = ", ".join(rate_text(r) for r in sorted(results.sweep_records(name)))
+            lines.append(f"- {name}: every rate of its sweep diverged ({rates}); no seeds "
+                         "were trained, so it has no comparison.")
     for table, comparisons in (("equal steps", main), ("equal FLOPs", flops),
                                ("the size trend", sizes)):
         for c in comparisons:

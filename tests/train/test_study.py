@@ -1,7 +1,9 @@
-"""cem-study's report from hand-written per-run files: the paired intervals, two-sided and TOST
-p-values (against scipy's own t-tests), their Holm adjustment (by hand), the words each case
-earns, the sweep's best rate and stability marks, the descent table; the statistics helpers
-against hand-computed values; the committed report against its files and the README."""
+"""cem-study's report from hand-written per-run files: the paired 95% and 90% intervals,
+two-sided and TOST p-values (against scipy's own t-tests), their Holm adjustment (by hand, over
+the report's distinct comparisons), the words each case earns (interim, diverged seeds left out
+once), the sweep's best rate, stability marks and a sweep whose every rate diverged, the trend's
+slope, the descent table; the statistics helpers against hand-computed values; the committed
+report against its files and the README."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ TO_BASE = {"shakespeare_llama_scalar": [-0.10, -0.11, -0.09, -0.10, -0.12],
            "shakespeare_cem_attn": [0.08, -0.06, 0.10, -0.09, 0.03],
            "shakespeare_cem_mlp": [0.20, 0.21, 0.19, 0.22, None]}
 AT_FLOPS = [-0.03, -0.02, -0.035, -0.025, -0.03]  # shakespeare_cem at equal FLOPs
-D64 = {"shakespeare_llama": [2.60, 2.62, 2.61], "shakespeare_cem": [2.65, 2.68, 2.65]}
+D64 = {"shakespeare_llama": [2.60, 2.62, 2.61], "shakespeare_cem": [2.655, 2.681, 2.668]}
 
 
 def test_holm_by_hand():
@@ -161,32 +163,39 @@ def _table_row(text: str, first_cell: str) -> list[str]:
     return [c.strip() for c in line.strip("|").split("|")]
 
 
-def _expected(diffs: dict[str, np.ndarray]) -> dict[str, dict]:
-    """Per comparison: the 95% interval text and the p-values, from scipy's t-tests, with Holm
-    over the table's p-values done by hand (ascending, times m, m - 1, ..., running max)."""
-    p = {k: scipy.stats.ttest_1samp(v, 0).pvalue for k, v in diffs.items()}
+def _expected(tables: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, dict]]:
+    """Per table and comparison: the 95% and 90% interval texts and the p-values, from scipy's
+    t-tests, with Holm done by hand (ascending, times m, m - 1, ..., running max) over the
+    distinct comparisons of all tables (the same key on the same differences is one test)."""
+    family = {(k, tuple(v)): scipy.stats.ttest_1samp(v, 0).pvalue
+              for diffs in tables.values() for k, v in diffs.items()}
     adjusted, running = {}, 0.0
-    for i, k in enumerate(sorted(p, key=p.get)):
-        running = max(running, min(1.0, (len(p) - i) * p[k]))
-        adjusted[k] = running
+    for i, test in enumerate(sorted(family, key=family.get)):
+        running = max(running, min(1.0, (len(family) - i) * family[test]))
+        adjusted[test] = running
     found = {}
-    for k, v in diffs.items():
-        half = scipy.stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
-        low = scipy.stats.ttest_1samp(v, -MARGIN, alternative="greater").pvalue
-        high = scipy.stats.ttest_1samp(v, MARGIN, alternative="less").pvalue
-        found[k] = {"n": str(len(v)), "p": p[k], "holm": adjusted[k],
-                    "interval": f"{v.mean():+.4f} [{v.mean() - half:+.4f}, "
-                                f"{v.mean() + half:+.4f}]",
-                    "tost": f"{max(low, high):.3g}"}
+    for table, diffs in tables.items():
+        found[table] = {}
+        for k, v in diffs.items():
+            se = v.std(ddof=1) / np.sqrt(len(v))
+            half, half90 = (scipy.stats.t.ppf(q, len(v) - 1) * se for q in (0.975, 0.95))
+            low = scipy.stats.ttest_1samp(v, -MARGIN, alternative="greater").pvalue
+            high = scipy.stats.ttest_1samp(v, MARGIN, alternative="less").pvalue
+            found[table][k] = {
+                "n": str(len(v)), "p": family[k, tuple(v)], "holm": adjusted[k, tuple(v)],
+                "interval": f"{v.mean():+.4f} [{v.mean() - half:+.4f}, {v.mean() + half:+.4f}]",
+                "interval90": f"[{v.mean() - half90:+.4f}, {v.mean() + half90:+.4f}]",
+                "tost": f"{max(low, high):.3g}"}
     return found
 
 
-def _check_table(section: str, diffs: dict[str, np.ndarray], words: dict[str, str]) -> None:
-    for key, want in _expected(diffs).items():
+def _check_table(section: str, expected: dict[str, dict], words: dict[str, str]) -> None:
+    assert set(expected) == set(words)
+    for key, want in expected.items():
         cells = _table_row(section, key)
-        assert cells[:5] == [key, want["n"], want["interval"],
+        assert cells[:6] == [key, want["n"], want["interval"], want["interval90"],
                              f"{want['p']:.3g} ({want['holm']:.3g})", want["tost"]], key
-        assert cells[5] == f"**{words[key]}**", key
+        assert cells[6] == f"**{words[key]}**", key
 
 
 def test_report_from_hand_written_runs(study_file: Path):
@@ -195,46 +204,51 @@ def test_report_from_hand_written_runs(study_file: Path):
     text = study.report.read_text()
     assert "The study is complete." in text
 
-    # the nine comparisons of the equal-steps table (tied MLP's diverged seed 4 left out)
+    # the comparisons of the three tables, Holm-adjusted as one family of 14 distinct tests:
+    # equal steps (9; tied MLP's diverged seed 4 left out), equal FLOPs (the tied model at its
+    # own steps, tied MLP (same FLOPs) at its equal-steps runs: 2 of its 3 comparisons are
+    # those of equal steps, the same tests), the trend (seeds 0-2 at both sizes)
     d = {k: np.array([x for x in v if x is not None]) for k, v in TO_BASE.items()}
     scalar, cem, attn, mlp = (d[f"shakespeare_{n}"] for n in ("llama_scalar", "cem", "cem_attn",
                                                                "cem_mlp"))
-    diffs = {"shakespeare_llama_scalar vs shakespeare_llama": scalar,
-             "shakespeare_cem vs shakespeare_llama": cem,
-             "shakespeare_cem vs shakespeare_llama_scalar": cem - scalar,
-             "shakespeare_cem_attn vs shakespeare_llama": attn,
-             "shakespeare_cem_attn vs shakespeare_llama_scalar": attn - scalar,
-             "shakespeare_cem_attn vs shakespeare_cem": attn - cem,
-             "shakespeare_cem_mlp vs shakespeare_llama": mlp,
-             "shakespeare_cem_mlp vs shakespeare_llama_scalar": mlp - scalar[:4],
-             "shakespeare_cem_mlp vs shakespeare_cem": mlp - cem[:4]}
+    at = np.array(AT_FLOPS)
+    small = np.array(D64["shakespeare_cem"]) - np.array(D64["shakespeare_llama"])
+    mlp_vs = {"shakespeare_cem_mlp vs shakespeare_llama": mlp,
+              "shakespeare_cem_mlp vs shakespeare_llama_scalar": mlp - scalar[:4]}
+    expected = _expected({
+        "steps": {"shakespeare_llama_scalar vs shakespeare_llama": scalar,
+                  "shakespeare_cem vs shakespeare_llama": cem,
+                  "shakespeare_cem vs shakespeare_llama_scalar": cem - scalar,
+                  "shakespeare_cem_attn vs shakespeare_llama": attn,
+                  "shakespeare_cem_attn vs shakespeare_llama_scalar": attn - scalar,
+                  "shakespeare_cem_attn vs shakespeare_cem": attn - cem,
+                  **mlp_vs, "shakespeare_cem_mlp vs shakespeare_cem": mlp - cem[:4]},
+        "flops": {"shakespeare_cem vs shakespeare_llama": at,
+                  "shakespeare_cem vs shakespeare_llama_scalar": at - scalar, **mlp_vs,
+                  "shakespeare_cem_mlp vs shakespeare_cem": mlp - at[:4]},
+        "trend": {"shakespeare_cem-d64 vs shakespeare_llama-d64": small,
+                  "shakespeare_cem vs shakespeare_llama": cem[:3]}})
+    assert len({(k, v["interval"]) for t in expected.values() for k, v in t.items()}) == 14
     left_out = "worse; 1 seed diverged and left out"
     words = {"shakespeare_llama_scalar vs shakespeare_llama": "better",
              "shakespeare_cem vs shakespeare_llama": "matches",
              "shakespeare_cem vs shakespeare_llama_scalar": "worse",
              "shakespeare_cem_attn vs shakespeare_llama": "not separated",
-             # raw p = 0.033 < 0.05, but 0.13 after Holm: not "worse"
+             # raw p = 0.033 < 0.05, but not after Holm: not "worse"
              "shakespeare_cem_attn vs shakespeare_llama_scalar": "not separated",
              "shakespeare_cem_attn vs shakespeare_cem": "not separated",
              "shakespeare_cem_mlp vs shakespeare_llama": left_out,
              "shakespeare_cem_mlp vs shakespeare_llama_scalar": left_out,
              "shakespeare_cem_mlp vs shakespeare_cem": left_out}
-    expected = _expected(diffs)
     key = "shakespeare_cem_attn vs shakespeare_llama_scalar"
-    assert expected[key]["p"] < 0.05 < expected[key]["holm"]
+    assert expected["steps"][key]["p"] < 0.05 < expected["steps"][key]["holm"]
     equal_steps = text.split("## Equal steps")[1].split("## Equal training FLOPs")[0]
-    _check_table(equal_steps, diffs, words)
+    _check_table(equal_steps, expected["steps"], words)
     for key, word in words.items():
-        assert f"- {key} (equal steps, {expected[key]['n']} seeds): **{word}**" in text
+        assert f"- {key} (equal steps, {expected['steps'][key]['n']} seeds): **{word}**" in text
 
-    # equal FLOPs: the tied model at its own steps, tied MLP (same FLOPs) at its equal-steps runs
     flops = text.split("## Equal training FLOPs")[1].split("## Trend")[0]
-    at = np.array(AT_FLOPS)
-    _check_table(flops, {"shakespeare_cem vs shakespeare_llama": at,
-                         "shakespeare_cem vs shakespeare_llama_scalar": at - scalar,
-                         "shakespeare_cem_mlp vs shakespeare_llama": mlp,
-                         "shakespeare_cem_mlp vs shakespeare_llama_scalar": mlp - scalar[:4],
-                         "shakespeare_cem_mlp vs shakespeare_cem": mlp - at[:4]},
+    _check_table(flops, expected["flops"],
                  {"shakespeare_cem vs shakespeare_llama":
                       "matches (within the margin, though lower)",
                   "shakespeare_cem vs shakespeare_llama_scalar": "worse",
@@ -244,18 +258,22 @@ def test_report_from_hand_written_runs(study_file: Path):
     assert _table_row(flops, "shakespeare_cem")[3] == f"{_flops_steps('shakespeare_cem'):,}"
     assert _table_row(flops, "shakespeare_cem_mlp")[3] == "1,500"
 
-    # the summary: every equal-steps comparison, and equal FLOPs against the baseline
+    # the summary: every equal-steps comparison, and equal FLOPs against the baseline where
+    # it is not the same test (tied MLP's FLOPs are the baseline's)
     summary = text.split(SUMMARY_START)[1].split(SUMMARY_END)[0]
-    assert "- shakespeare_cem vs shakespeare_llama, 1,500 steps: **matches**" in summary
+    want = expected["steps"]["shakespeare_cem vs shakespeare_llama"]
+    mean, interval = want["interval"].split(" ", 1)
+    assert (f"- shakespeare_cem vs shakespeare_llama, 1,500 steps: **matches**, Δ {mean} "
+            f"bits/byte, 95% {interval}, 90% {want['interval90']}, over 5 seeds.") in summary
     assert ("- shakespeare_cem vs shakespeare_llama, equal training FLOPs: **matches (within "
             "the margin, though lower)**") in summary
     assert "shakespeare_cem_mlp vs shakespeare_cem, equal training FLOPs" not in summary
+    assert "shakespeare_cem_mlp vs shakespeare_llama, equal training FLOPs" not in summary
+    assert "Holm-adjusted over the 14 distinct comparisons of this report" in text
 
     # the trend: seeds 0-2 at both sizes, and the slope of the gap on log10(parameters)
     trend = text.split("## Trend")[1].split("## Energy descent")[0]
-    small = np.array(D64["shakespeare_cem"]) - np.array(D64["shakespeare_llama"])
-    _check_table(trend, {"shakespeare_cem-d64 vs shakespeare_llama-d64": small,
-                         "shakespeare_cem vs shakespeare_llama": cem[:3]},
+    _check_table(trend, expected["trend"],
                  {"shakespeare_cem-d64 vs shakespeare_llama-d64": "worse",
                   "shakespeare_cem vs shakespeare_llama": "matches"})
     fit = scipy.stats.linregress([np.log10(300)] * 3 + [3.0] * 3, [*small, *cem[:3]])
@@ -296,13 +314,49 @@ def test_report_from_hand_written_runs(study_file: Path):
 
 def test_a_comparison_lacking_planned_seeds_is_interim(study_file: Path):
     (study_file.parent / "runs" / "shakespeare_cem_attn_lr1e-2_steps1500_seed4.json").unlink()
+    (study_file.parent / "runs" / "shakespeare_cem-d64_lr1e-2_steps1500_seed2.json").unlink()
     assert main([str(study_file), "--report-only"]) == 0
     text = load_study(study_file).report.read_text()
-    assert "**The study is not complete**: 1 planned runs have no file yet" in text
+    assert "**The study is not complete**: 2 planned runs have no file yet" in text
+    assert "- interim: shakespeare_cem − shakespeare_llama: the gap changes by" in text
+    assert _table_row(text, "shakespeare_cem-d64 vs shakespeare_llama-d64")[6].startswith(
+        "**interim: ")
     assert _table_row(text, "shakespeare_cem_attn vs shakespeare_llama")[1] == "4"
-    assert _table_row(text, "shakespeare_cem_attn vs shakespeare_llama")[5] == \
+    assert _table_row(text, "shakespeare_cem_attn vs shakespeare_llama")[6] == \
         "**interim: not separated**"
-    assert _table_row(text, "shakespeare_cem vs shakespeare_llama")[5] == "**matches**"
+    assert _table_row(text, "shakespeare_cem vs shakespeare_llama")[6] == "**matches**"
+
+
+def test_a_seed_diverged_on_both_sides_is_left_out_once(study_file: Path):
+    path = study_file.parent / "runs" / "shakespeare_cem_lr1e-2_steps1500_seed4.json"
+    rec = json.loads(path.read_text())  # tied MLP's seed 4 diverged already
+    path.write_text(json.dumps({**rec, "status": "diverged", "val": None,
+                                "train_loss": [[1, 7.0], [90, None]]}))
+    assert main([str(study_file), "--report-only"]) == 0
+    text = load_study(study_file).report.read_text()
+    for key in ("shakespeare_cem_mlp vs shakespeare_cem", "shakespeare_cem vs shakespeare_llama"):
+        row = _table_row(text, key)
+        assert row[1] == "4" and row[6].endswith("; 1 seed diverged and left out**"), row
+
+
+def test_a_sweep_whose_every_rate_diverged(study_file: Path):
+    """Every rate diverged: a lower one is tried (the lower edge); once that diverges too and
+    `extend` is spent, the config has no best rate, no seeds, and the report says so."""
+    study = load_study(study_file)
+    runs = plan(study, {"shakespeare_cem_attn": dict.fromkeys((0.005, 0.01, 0.02))},
+                dict.fromkeys(study.all_configs(), 1e12))
+    assert RunKey("shakespeare_cem_attn", 0.0025, 300, 0) in runs
+    assert not any(k.name == "shakespeare_cem_attn" and k.steps == 1500 for k in runs)
+    records = study_file.parent / "runs"
+    for lr in (0.0025, 0.005, 0.01):
+        _write(records, _record("shakespeare_cem_attn", lr, 300, 0, 2.5, status="diverged",
+                                losses=[[1, 7.0], [50, None]]))
+    assert main([str(study_file), "--report-only"]) == 0
+    text = study.report.read_text()
+    assert _table_row(text, "shakespeare_cem_attn")[-3] == "none: every rate diverged"
+    assert ("- shakespeare_cem_attn: every rate of its sweep diverged (2.5e-3, 5e-3, 1e-2, "
+            "2e-2); no seeds were trained, so it has no comparison.") in text
+    assert "shakespeare_cem_attn vs" not in text and "The study is complete." in text
 
 
 def test_one_colour_per_config_in_every_figure(study_file: Path):
@@ -365,6 +419,8 @@ def test_a_record_another_study_made_or_a_broken_one_is_refused(study_file: Path
     ({"overides": []}, "unknown field 'overides'"),
     ({"sweep": {"steps": 300}}, "sweep.rates is missing"),
     ({"baseline": "shakespeare_lama"}, "shakespeare_lama is named but is not one of its configs"),
+    ({"sizes": {"configs": ["shakespeare_cem"], "seeds": 3, "scales": {"d128": []}}},
+     "sizes.configs must hold the baseline shakespeare_llama and at least one other config"),
 ])
 def test_a_bad_study_file_is_one_line_naming_the_field(study_file: Path, capsys, change,
                                                        message):
