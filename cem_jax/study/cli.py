@@ -55,7 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not todo or trained == args.max_runs or (deadline and time.monotonic() > deadline):
                 break
             key = todo[0]
-            print(f"cem-study: run {key.label} ({len(todo)} planned runs to go)", flush=True)
+            print(f"cem-study: run {key.label} ({len(todo)} planned run"
+                  f"{'s' * (len(todo) != 1)} to go, this one included; the plan grows as "
+                  "sweeps finish)", flush=True)
             rec, row = train_and_record(study, key)
             trained += 1
             if row["stopped"]:
@@ -85,10 +87,10 @@ def _check_writable(folder: Path, field: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ValueError(f"cannot create {folder}, the folder of the study's {field} "
-                         f"({err.strerror}): choose another {field}") from None
+                         f"({err.strerror}): set another in the study file's {field}") from None
     if not os.access(folder, os.W_OK):
         raise ValueError(f"cannot write in {folder}, the folder of the study's {field}: "
-                         f"choose another {field}")
+                         f"set another in the study file's {field}")
 
 
 def _planned(study: Study, results: Results, flops: dict[str, float]):

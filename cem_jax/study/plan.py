@@ -116,24 +116,66 @@ class Study:
 FIELDS = {"margin", "alpha", "power", "planning_sd", "min_seeds", "records", "runs_dir", "report",
           "baseline", "control", "overrides", "configs", "sweep", "main", "sizes", "note",
           "margin_reason"}
+SECTIONS = {"sweep": {"steps", "eval_every", "seed", "rates", "extend"},
+            "main": {"steps", "eval_every", "flops_configs"},
+            "sizes": {"configs", "seeds", "scales"}}
 HELP = "the fields are those of docs/study/study.yaml in the cem_jax repository"
+
+
+def _integer(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError
+    return value
+
+
+def _number(value) -> float:
+    """A float; also from a string (YAML 1.1, which PyYAML reads, takes `1e-2` for text)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError
+    return float(value)
+
+
+def _text(value) -> str:
+    if not isinstance(value, str):
+        raise TypeError
+    return value
+
+
+def _texts(value) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError
+    return tuple(value)
+
+
+_KIND_WORDS = {_integer: "an integer", _number: "a number", _text: "a string",
+               _texts: "a list of strings", dict: "a mapping", list: "a list"}
 
 
 def load_study(path: str | Path) -> Study:
     """The `Study` of a YAML file; raises ValueError naming the file and the missing, unknown
-    or wrong field (FileNotFoundError for a missing file)."""
+    or wrong field, or the file that is missing or not YAML. Paths in it (configs' files,
+    records, runs_dir, report) are relative to the current directory."""
     path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: give the study's YAML file, e.g. "
+                         "docs/study/study.yaml")
     try:
         spec = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise ValueError(f"{path} is not YAML ({err}); {HELP}") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"{path} is not YAML ({getattr(err, 'problem', None) or 'unreadable'}"
+                         f"{where}); {HELP}") from None
     if not isinstance(spec, dict):
         raise ValueError(f"{path} holds no mapping of fields; {HELP}")
     unknown = sorted(set(spec) - FIELDS)
+    for section, fields in SECTIONS.items():
+        if isinstance(spec.get(section), dict):
+            unknown += [f"{section}.{k}" for k in sorted(set(spec[section]) - fields)]
     if unknown:
         raise ValueError(f"{path}: unknown field {unknown[0]!r}; {HELP}")
 
-    def get(dotted: str, kind=str, check=lambda v: True, rule: str = "", default=None):
+    def get(dotted: str, kind=_text, check=lambda v: True, rule: str = "", default=None):
         value = spec
         for part in dotted.split("."):
             if not isinstance(value, dict) or (part not in value and default is None):
@@ -142,7 +184,7 @@ def load_study(path: str | Path) -> Study:
         try:
             value = kind(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{path}: {dotted} is {value!r}, not a {kind.__name__}; "
+            raise ValueError(f"{path}: {dotted} is {value!r}, not {_KIND_WORDS[kind]}; "
                              f"{HELP}") from None
         if not check(value):
             raise ValueError(f"{path}: {dotted} is {value!r}; it must be {rule}")
@@ -153,31 +195,49 @@ def load_study(path: str | Path) -> Study:
     entries = get("configs", dict, bool, "a non-empty mapping of name: {file, parent}")
     configs = {}
     for name, entry in entries.items():
-        if not isinstance(entry, dict) or "file" not in entry:
-            raise ValueError(f"{path}: configs.{name} needs a file (and may name a parent)")
-        configs[name] = Config(name, str(entry["file"]), entry.get("parent"))
-    rates = get("sweep.rates", tuple, bool, "a non-empty list of learning rates")
-    if not all(isinstance(r, int | float) and r > 0 for r in rates):
-        raise ValueError(f"{path}: sweep.rates {list(rates)} must be learning rates > 0")
-    scales = get("sizes.scales", dict, bool, "a mapping of size: overrides")
+        if not isinstance(entry, dict) or "file" not in entry or set(entry) - {"file", "parent"}:
+            raise ValueError(f"{path}: configs.{name} must be {{file: ..., parent: ...}} (the "
+                             "parent is optional)")
+        configs[name] = Config(name, get(f"configs.{name}.file"),
+                               get(f"configs.{name}.parent", default="") or None)
+        if not Path(configs[name].file).is_file():
+            raise ValueError(f"{path}: configs.{name}.file {configs[name].file} does not exist "
+                             f"(a study file's paths are relative to the directory cem-study "
+                             f"runs in, {Path.cwd()})")
+        if configs[name].parent == name:
+            raise ValueError(f"{path}: configs.{name} names itself as its parent")
+    listed = get("sweep.rates", list, bool, "a non-empty list of learning rates")
+    try:
+        rates = tuple(sorted(_number(r) for r in listed))
+    except (TypeError, ValueError):
+        rates = ()
+    if not rates or min(rates) <= 0:
+        raise ValueError(f"{path}: sweep.rates {listed} must be learning rates > 0")
+    sizes = {}
+    for size, overrides in get("sizes.scales", dict, bool, "a mapping of size: overrides").items():
+        try:
+            sizes[str(size)] = _texts(overrides or [])
+        except TypeError:
+            raise ValueError(f"{path}: sizes.scales.{size} is {overrides!r}, not a list of "
+                             "overrides (key=value strings)") from None
     study = Study(
         path=path, records=Path(get("records")), runs_dir=Path(get("runs_dir")),
-        report=Path(get("report")), margin=get("margin", float, *positive),
-        alpha=get("alpha", float, *fraction), power=get("power", float, *fraction),
-        planning_sd=get("planning_sd", float, *positive),
-        min_seeds=get("min_seeds", int, lambda v: v >= 2, ">= 2"),
+        report=Path(get("report")), margin=get("margin", _number, *positive),
+        alpha=get("alpha", _number, *fraction), power=get("power", _number, *fraction),
+        planning_sd=get("planning_sd", _number, *positive),
+        min_seeds=get("min_seeds", _integer, lambda v: v >= 2, ">= 2"),
         baseline=get("baseline"), control=get("control"), configs=configs,
-        overrides=get("overrides", tuple, default=()),
-        sweep_steps=get("sweep.steps", int, *positive),
-        sweep_eval_every=get("sweep.eval_every", int, *positive),
-        sweep_seed=get("sweep.seed", int, lambda v: v >= 0, ">= 0"),
-        rates=tuple(sorted(float(r) for r in rates)),
-        extend=get("sweep.extend", int, lambda v: v >= 0, ">= 0"),
-        steps=get("main.steps", int, *positive), eval_every=get("main.eval_every", int, *positive),
-        flops_configs=get("main.flops_configs", tuple, default=()),
-        size_configs=get("sizes.configs", tuple), size_seeds=get("sizes.seeds", int, *positive),
-        sizes={str(k): tuple(v or ()) for k, v in scales.items()},
-        note=" ".join(get("note", default="").split()),
+        overrides=get("overrides", _texts, default=[]),
+        sweep_steps=get("sweep.steps", _integer, *positive),
+        sweep_eval_every=get("sweep.eval_every", _integer, *positive),
+        sweep_seed=get("sweep.seed", _integer, lambda v: v >= 0, ">= 0"), rates=rates,
+        extend=get("sweep.extend", _integer, lambda v: v >= 0, ">= 0"),
+        steps=get("main.steps", _integer, *positive),
+        eval_every=get("main.eval_every", _integer, *positive),
+        flops_configs=get("main.flops_configs", _texts, default=[]),
+        size_configs=get("sizes.configs", _texts), size_seeds=get("sizes.seeds", _integer,
+                                                                 *positive),
+        sizes=sizes, note=" ".join(get("note", default="").split()),
         margin_reason=" ".join(get("margin_reason", default="").split()))
     if study.steps == study.sweep_steps:
         raise ValueError(f"{path}: main.steps and sweep.steps must differ (a run is named by "
@@ -188,6 +248,9 @@ def load_study(path: str | Path) -> Study:
     if unknown:
         raise ValueError(f"{path}: {unknown[0]} is named but is not one of its configs "
                          f"({', '.join(configs)})")
+    if study.control == study.baseline:
+        raise ValueError(f"{path}: control is the baseline {study.baseline}; it must be another "
+                         "config (the baseline with the CEM rows' preconditioner)")
     if study.baseline not in study.size_configs or len(set(study.size_configs)) < 2:
         raise ValueError(f"{path}: sizes.configs must hold the baseline {study.baseline} and "
                          "at least one other config (the trend is their gap)")

@@ -65,20 +65,34 @@ def read_records(study: Study) -> dict[RunKey, dict]:
             key = RunKey(rec["name"], rec["lr"], rec["steps"], rec["seed"])
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path} is not a run's record ({type(err).__name__}: {err}); "
-                             "delete it to train that run again") from None
+                             "delete it to record that run again (a finished run directory "
+                             "is reused, not trained again)") from None
         if path.name != f"{key.label}.json":
             raise ValueError(f"{path} holds the record of {key.label}: rename it "
                              f"{key.label}.json or delete it")
         if key.name in configs:
-            spec = run_spec(study, key)
-            made = (rec.get("config"), rec.get("cem_train_args"))
-            if made != (configs[key.name].file, list(spec.args)):
-                raise ValueError(
-                    f"{path} was made by {made[0]} with {made[1]}, but the study now gives "
-                    f"that run {configs[key.name].file} with {list(spec.args)}: move the file "
-                    f"out of {study.records} to train the run again, or restore the study")
+            differs = _made_otherwise(rec, configs[key.name].file, list(run_spec(study, key).args))
+            if differs:
+                raise ValueError(f"{path} was made by another study ({differs}): move the file "
+                                 f"out of {study.records} to train the run again, or restore "
+                                 "the study")
         found[key] = rec
     return found
+
+
+def _made_otherwise(rec: dict, config: str, args: list[str]) -> str:
+    """How the record's config file and cem-train arguments differ from `config` and `args`
+    ("" when they do not)."""
+    if rec.get("config") != config:
+        return f"config {rec.get('config')}, the study now gives {config}"
+    made = rec.get("cem_train_args")
+    if not isinstance(made, list) or made == args:
+        return "" if made == args else f"cem_train_args {made!r}, not a list"
+    old, new = [a for a in made if a not in args], [a for a in args if a not in made]
+    if not old and not new:
+        return f"the same arguments in another order: {' '.join(made)}"
+    return (f"cem-train arguments only in the record: {' '.join(old) or 'none'}; only in the "
+            f"study now: {' '.join(new) or 'none'}")
 
 
 def run_spec(study: Study, key: RunKey) -> RunSpec:

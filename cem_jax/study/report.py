@@ -30,6 +30,7 @@ from cem_jax.study.analysis import (
     spikes,
 )
 from cem_jax.study.plan import RunKey, Study, rate_text
+from cem_jax.train_config import load_config
 
 SUMMARY_START = "<!-- summary: the README quotes the lines up to the end marker -->"
 SUMMARY_END = "<!-- end of summary -->"
@@ -109,10 +110,10 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
                     + f", {study.seeds} seeds give {study.power:.0%} power for a margin of "
                     f"±{equivalence_margin(study.seeds, sd, study.alpha, study.power):.3f}.")
     status = ("The study is complete." if len(done) == len(planned) else
-              f"**The study is not complete**: {len(planned) - len(done)} planned runs have no "
-              "file yet, and later parts are planned only once the sweep they depend on is "
-              "done; every table holds the runs recorded so far, and each comparison states "
-              "its seeds.")
+              f"**The study is not complete**: {_count(len(planned) - len(done), 'planned run')}"
+              f" {'has' if len(planned) - len(done) == 1 else 'have'} no file yet, and later "
+              "parts are planned only once the sweep they depend on is done; every table holds "
+              "the runs recorded so far, and each comparison states its seeds.")
     return ["## What ran", "",
             f"Runs recorded: {len(done)} of the {len(planned)} planned now ({progress}). "
             + status, "", *([study.note, ""] if study.note else []),
@@ -129,7 +130,7 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
             "(t₁₋α,ₙ₋₁ + t₁₋β/₂,ₙ₋₁)·sd/√n ≤ margin, Julious 2004); the study trains "
             f"{study.seeds} seeds per config (at least {study.min_seeds})." + observed, "",
             "Each run: `run.seed = data.seed = seed` (model init and data order). Validation "
-            "is the whole held-out split, after the last step. Δ: row − reference paired by "
+            f"is {_validation(study)}, after the last step. Δ: row − reference paired by "
             "seed over the seeds both have that did not diverge, mean [95% t-interval, not "
             "adjusted]. p: the two-sided paired t-test, raw and (in parentheses) "
             f"Holm-adjusted over the {tests} distinct comparisons of this report (a comparison "
@@ -181,9 +182,10 @@ def _sweep(study: Study, results: Results, out: Path) -> list[str]:
              "the same validation split the study reports, at this shorter budget: the "
              "reported numbers favour each config's own rate a little (every config alike); "
              "seed 0 of the main runs shares that seed."
-             + (f" A rate beyond an edge of the grid is added while the best is at that edge "
-                f"(up to {study.extend} in all)" if study.extend else "")
-             + "; \"(edge)\": the best is at an edge of the rates tried, so the optimum may "
+             + (f" A rate beyond an edge of the grid is added while the best is at that edge, "
+                f"or below the grid while every rate diverged (up to {study.extend} in all)."
+                if study.extend else "")
+             + " \"(edge)\": the best is at an edge of the rates tried, so the optimum may "
              "lie beyond them.", "", _row(head),
              _rule(head)]
     for name in names:
@@ -357,8 +359,8 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
                    if diverged(rec)]
             runs = results.runs(name)
             stability = (f"; at it, {len(results.diverged(name))} of {len(runs)} seeds "
-                         f"diverged, "
-                         f"{sum(spikes(r) for r in runs.values())} loss spikes") if runs else ""
+                         "diverged, " + _count(sum(spikes(r) for r in runs.values()),
+                                               "loss spike")) if runs else ""
             lines.append(f"- {name}: best rate {rate_text(best)} of the sweep"
                          + (f" (diverged at {', '.join(bad)})" if bad else " (no rate diverged)")
                          + stability + ".")
@@ -380,6 +382,19 @@ def _drawn(drawn: bool, png: Path) -> bool:
     if not drawn:
         png.unlink(missing_ok=True)
     return drawn
+
+
+def _validation(study: Study) -> str:
+    """What the runs validate on: the whole held-out split, or its first `data.val_tokens`."""
+    cfg = load_config(study.configs[study.baseline].file, list(study.overrides))
+    return ("the whole held-out split" if cfg.data.val_tokens is None else
+            f"the held-out split's first whole documents up to {cfg.data.val_tokens:,} tokens "
+            "(data.val_tokens)")
+
+
+def _count(n: int, thing: str) -> str:
+    """"1 loss spike", "2 loss spikes"."""
+    return f"{n} {thing}{'s' * (n != 1)}"
 
 
 def _tokens_per_s(runs) -> str:

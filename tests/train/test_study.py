@@ -7,6 +7,7 @@ report against its files and the README."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -30,7 +31,7 @@ from cem_jax.study.cli import main
 from cem_jax.study.figures import colours
 from cem_jax.study.plan import RunKey, load_study, plan, rate_text
 from cem_jax.study.records import run_spec
-from cem_jax.study.report import SUMMARY_END, SUMMARY_START
+from cem_jax.study.report import SUMMARY_END, SUMMARY_START, _validation
 from cem_jax.train_config import load_config
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -299,7 +300,7 @@ def test_report_from_hand_written_runs(study_file: Path):
     row = _table_row(equal_steps, "shakespeare_cem_mlp")
     assert row[8:10] == ["1 of 5", "1"] and row[11] == "1,000"  # its diverged seed: no tokens/s
     assert ("- shakespeare_cem_mlp: best rate 1e-2 of the sweep (no rate diverged); at it, 1 of "
-            "5 seeds diverged, 1 loss spikes.") in text
+            "5 seeds diverged, 1 loss spike.") in text
     assert "- shakespeare_cem_attn: best rate 1e-2 of the sweep (diverged at 2e-2); at it, 0 " \
         "of 5 seeds diverged, 0 loss spikes." in text
 
@@ -403,10 +404,13 @@ def test_a_record_another_study_made_or_a_broken_one_is_refused(study_file: Path
     records = study_file.parent / "runs"
     path = records / "shakespeare_cem_lr1e-2_steps1500_seed0.json"
     rec = json.loads(path.read_text())
-    path.write_text(json.dumps({**rec, "cem_train_args": ["optimizer.lr=0.01"]}))
+    args = [a.replace("optimizer.lr=0.01", "optimizer.lr=0.02") for a in rec["cem_train_args"]]
+    path.write_text(json.dumps({**rec, "cem_train_args": args}))
     assert main([str(study_file), "--report-only"]) == 2
-    err = capsys.readouterr().err
-    assert f"cem-study: {path} was made by " in err and "move the file out of" in err
+    assert capsys.readouterr().err == (
+        f"cem-study: {path} was made by another study (cem-train arguments only in the record: "
+        "optimizer.lr=0.02; only in the study now: optimizer.lr=0.01): move the file out of "
+        f"{records} to train the run again, or restore the study\n")
     path.write_text(json.dumps(rec)[:100])  # a torn file
     assert main([str(study_file), "--report-only"]) == 2
     assert f"{path} is not a run's record (JSONDecodeError" in capsys.readouterr().err
@@ -415,23 +419,68 @@ def test_a_record_another_study_made_or_a_broken_one_is_refused(study_file: Path
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"margin": -0.1}, "margin is -0.1; it must be > 0"),
-    ({"margin": "abc"}, "margin is 'abc', not a float"),
+    ({"margin": "abc"}, "margin is 'abc', not a number"),
     ({"overides": []}, "unknown field 'overides'"),
+    ({"main.flops_config": ["shakespeare_cem"]}, "unknown field 'main.flops_config'"),
     ({"sweep": {"steps": 300}}, "sweep.rates is missing"),
+    ({"sweep.seed": 0.5}, "sweep.seed is 0.5, not an integer"),
+    ({"sweep.extend": True}, "sweep.extend is True, not an integer"),
+    ({"min_seeds": 2.7}, "min_seeds is 2.7, not an integer"),
+    ({"overrides": "run.log_every=1"}, "overrides is 'run.log_every=1', not a list of strings"),
+    ({"main.flops_configs": "shakespeare_cem"},
+     "main.flops_configs is 'shakespeare_cem', not a list of strings"),
+    ({"sizes.scales.d64": "model.d_model=64"},
+     "sizes.scales.d64 is 'model.d_model=64', not a list of overrides"),
     ({"baseline": "shakespeare_lama"}, "shakespeare_lama is named but is not one of its configs"),
+    ({"control": "shakespeare_llama"}, "control is the baseline shakespeare_llama; it must be"),
+    ({"configs.shakespeare_cem.parent": "shakespeare_cem"},
+     "configs.shakespeare_cem names itself as its parent"),
+    ({"configs.shakespeare_cem.file": "configs/nope.yaml"},
+     "configs.shakespeare_cem.file configs/nope.yaml does not exist (a study file's paths are "
+     "relative to the directory cem-study runs in"),
     ({"sizes": {"configs": ["shakespeare_cem"], "seeds": 3, "scales": {"d128": []}}},
      "sizes.configs must hold the baseline shakespeare_llama and at least one other config"),
 ])
 def test_a_bad_study_file_is_one_line_naming_the_field(study_file: Path, capsys, change,
                                                        message):
-    spec = {**yaml.safe_load(study_file.read_text()), **change}
+    spec = yaml.safe_load(study_file.read_text())
+    for dotted, value in change.items():
+        *parents, last = dotted.split(".")
+        section = spec
+        for part in parents:
+            section = section[part]
+        section[last] = value
     study_file.write_text(yaml.safe_dump(spec, sort_keys=False))
     assert main([str(study_file), "--report-only"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"cem-study: {study_file}: ") and message in err
+    assert err.count("\n") == 1
     study_file.write_text("margin: [0.05\n")
     assert main([str(study_file)]) == 2
-    assert f"{study_file} is not YAML" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{study_file} is not YAML (" in err and err.count("\n") == 1
+    assert main([str(study_file.parent / "nope.yaml")]) == 2
+    assert capsys.readouterr().err == (f"cem-study: {study_file.parent / 'nope.yaml'} does not "
+                                       "exist: give the study's YAML file, e.g. "
+                                       "docs/study/study.yaml\n")
+
+
+def test_rates_written_as_yaml_reads_them(study_file: Path):
+    """PyYAML (YAML 1.1) reads `1e-2` as text, not a number: the study takes it as a rate."""
+    assert yaml.safe_load("[5e-3, 1e-2]") == ["5e-3", "1e-2"]
+    text, found = re.subn(r"rates:\n(  - .*\n)+", "rates: [2e-2, 5e-3, 1e-2]\n",
+                          study_file.read_text())
+    assert found == 1
+    study_file.write_text(text)
+    assert load_study(study_file).rates == (0.005, 0.01, 0.02)
+
+
+def test_the_report_says_what_the_runs_validate_on(study_file: Path):
+    study = load_study(study_file)
+    assert _validation(study) == "the whole held-out split"
+    capped = dataclasses.replace(study, overrides=(*study.overrides, "data.val_tokens=2048"))
+    assert _validation(capped) == ("the held-out split's first whole documents up to 2,048 "
+                                   "tokens (data.val_tokens)")
 
 
 def test_stability_definitions():
