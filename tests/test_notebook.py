@@ -32,7 +32,8 @@ PLACEHOLDER = "https://github.com/YOUR-ORG/cem_jax"
 COLAB = "https://colab.research.google.com/github/YOUR-ORG/cem_jax/blob/main/notebooks/"
 # Validation bits per byte after the notebook's 500 steps at lr 5e-3, measured 2.47 (memory) and
 # 2.54 (tied) (a uniform guess over the 2,048 pieces: 3.96); the margin covers other CPUs and
-# library versions (at lr 1e-2 the tied model's train loss ended at 4.84 on one CPU, 5.38 on another).
+# library versions (at lr 1e-2 the tied model's train loss ended at 4.84 on one CPU, 5.38 on
+# another).
 BPB_LEARNED = 2.7
 
 
@@ -134,7 +135,7 @@ def test_energy_playground_runs(tmp_path, monkeypatch):
         if user_copy.is_file() and not os.environ.get(ARCHIVE_ENV):
             monkeypatch.setenv(ARCHIVE_ENV, str(user_copy))  # read (and verified), not written
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(nb, kernel_name=KERNEL, timeout=600,
+    client = NotebookClient(nb, kernel_name=KERNEL, timeout=1200,  # per cell: d. trains two models
                             resources={"metadata": {"path": str(tmp_path)}})
     energy, check = cell_index(nb, "register_kind("), cell_index(nb, "energy of a fixed input")
     with client.setup_kernel():
