@@ -62,7 +62,8 @@ def write_report(study: Study, results: Results, planned: list[RunKey],
              "completes over as many invocations as it needs (`--report-only` regenerates the "
              "report without training).", ""]
     lines += _what_ran(study, results, planned, main, tests)
-    lines += _summary(study, main, flops)
+    slopes = _slopes(study, sizes)
+    lines += _summary(study, main, flops, size_cmp, slopes)
     lines += _sweep(study, results, out)
     lines += _table(study, results, f"## Equal steps ({study.steps:,} steps)", {}, main, out,
                     "curves")
@@ -71,7 +72,6 @@ def write_report(study: Study, results: Results, planned: list[RunKey],
                  "steps: a config's steps = round(steps · F_baseline / F_config), F the "
                  "analytic training FLOPs per step)")
         lines += _table(study, results, title, flops_steps, flops, None, None)
-    slopes = _slopes(study, sizes)
     lines += _sizes_table(study, sizes, size_cmp, slopes, results, out)
     lines += _descent(study, results, out)
     lines += _reading(study, results, main, flops, size_cmp, slopes)
@@ -98,18 +98,20 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
     n_plan = seeds_for_equivalence(study.margin, study.planning_sd, study.alpha, study.power)
     sds = [statistics.stdev(differences(results.values(c.row), results.values(c.ref)))
            for c in main if c.n >= 3]
+    complete = len(done) == len(planned)
+    so_far = "" if complete else " so far"
     observed = ""
     if sds:
         sd = statistics.median(sds)
-        observed = ((f" The paired standard deviations observed so far, in the {len(sds)} "
+        observed = ((f" The paired standard deviations observed{so_far}, in the {len(sds)} "
                      "comparisons of the equal-steps table with ≥ 3 seeds, range from "
                      f"{min(sds):.4f} to {max(sds):.4f} bits/byte (median {sd:.4f}); at the "
                      "median" if len(sds) > 1 else
-                     " The paired standard deviation observed so far, in the one comparison of "
+                     f" The paired standard deviation observed{so_far}, in the one comparison of "
                      f"the equal-steps table with ≥ 3 seeds, is {sd:.4f} bits/byte; at that sd")
                     + f", {study.seeds} seeds give {study.power:.0%} power for a margin of "
                     f"±{equivalence_margin(study.seeds, sd, study.alpha, study.power):.3f}.")
-    status = ("The study is complete." if len(done) == len(planned) else
+    status = ("The study is complete." if complete else
               f"**The study is not complete**: {_count(len(planned) - len(done), 'planned run')}"
               f" {'has' if len(planned) - len(done) == 1 else 'have'} no file yet, and later "
               "parts are planned only once the sweep they depend on is done; every table holds "
@@ -117,7 +119,8 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
     return ["## What ran", "",
             f"Runs recorded: {len(done)} of the {len(planned)} planned now ({progress}). "
             + status, "", *([study.note, ""] if study.note else []),
-            f"Trained {ran[0]} to {ran[-1]} on {'; '.join(machines)}, code "
+            f"Trained {ran[0]} to {ran[-1]} ({sum(r['wall_s'] for r in recs) / 3600:.1f} hours "
+            f"of training in all, the sum of the runs' wall times) on {'; '.join(machines)}, code "
             f"{', '.join(commits)}. Tokens/s were measured on shared machines, whose speed may "
             "differ between sessions, and are indicative only (`benchmarks/train_step.py` "
             "times configs side by side)." if ran else "No run is recorded yet.", "",
@@ -153,17 +156,21 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
             "logged).", ""]
 
 
-def _summary(study: Study, main: list[Comparison], flops: list[Comparison]) -> list[str]:
+def _summary(study: Study, main: list[Comparison], flops: list[Comparison],
+             size_cmp: list[Comparison], slopes: list[str]) -> list[str]:
     lines = [SUMMARY_START]
-    wanted = [(c, f"{study.steps:,} steps") for c in main] + [
-        (c, "equal training FLOPs") for c in flops if c.ref == study.baseline
-        and c not in main]  # a config whose FLOPs are the baseline's: its line is above
+    trend = f"the size trend ({study.steps:,} steps, seeds 0–{study.size_seeds - 1})"
+    wanted = [(c, f"{study.steps:,} steps") for c in main]
+    wanted += [(c, "equal training FLOPs") for c in flops if c.ref == study.baseline
+               and c not in main]  # a config whose FLOPs are the baseline's: its line is above
+    wanted += [(c, trend) for c in size_cmp]
     if not wanted:
         lines.append("No comparison has two seeds yet.")
     for c, budget in wanted:
         lines.append(f"- {c.key}, {budget}: **{c.words}**, Δ {c.mean:+.4f} bits/byte, 95% "
                      f"[{c.low:+.4f}, {c.high:+.4f}], {1 - 2 * study.alpha:.0%} "
                      f"[{c.low90:+.4f}, {c.high90:+.4f}], over {c.n} seeds.")
+    lines += slopes
     return ["## Summary", "", f"Margin ±{study.margin} bits/byte; Δ: row − reference with its "
             f"95% and {1 - 2 * study.alpha:.0%} intervals (the latter inside the margin: "
             "equivalence); words as defined above.", "", *lines, SUMMARY_END, ""]

@@ -204,6 +204,9 @@ def test_report_from_hand_written_runs(study_file: Path):
     study = load_study(study_file)
     text = study.report.read_text()
     assert "The study is complete." in text
+    runs = len(list(Path(study.records).glob("**/*.json")))  # 60 s of training each
+    assert f"({runs * 60 / 3600:.1f} hours of training in all" in text
+    assert "The paired standard deviations observed, in the 9 comparisons" in text
 
     # the comparisons of the three tables, Holm-adjusted as one family of 14 distinct tests:
     # equal steps (9; tied MLP's diverged seed 4 left out), equal FLOPs (the tied model at its
@@ -270,6 +273,9 @@ def test_report_from_hand_written_runs(study_file: Path):
             "the margin, though lower)**") in summary
     assert "shakespeare_cem_mlp vs shakespeare_cem, equal training FLOPs" not in summary
     assert "shakespeare_cem_mlp vs shakespeare_llama, equal training FLOPs" not in summary
+    assert ("- shakespeare_cem-d64 vs shakespeare_llama-d64, the size trend (1,500 steps, "
+            "seeds 0–2): **worse**") in summary  # and the slope of the gap over sizes:
+    assert "- shakespeare_cem − shakespeare_llama: the gap changes by" in summary
     assert "Holm-adjusted over the 14 distinct comparisons of this report" in text
 
     # the trend: seeds 0-2 at both sizes, and the slope of the gap on log10(parameters)
