@@ -154,6 +154,7 @@ def plot_sizes(results: Results, sizes: Mapping[str, Mapping[str, dict]], path: 
     left.set_ylabel("validation bits per byte (mean ± sd over seeds)")
     for ax in (left, by_params, by_flops):
         ax.set_xscale("log")
+        ax.xaxis.set_minor_locator(plt.LogLocator(subs=(2.0, 5.0)))  # labels that fit
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=8)
