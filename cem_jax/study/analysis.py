@@ -1,7 +1,8 @@
 """The numbers of the study's report, from its records (`cem_jax.study.records`): stability of a
-run (`diverged`, `spikes`), each config's values by seed (`Results`), and the comparisons of a
-report with their tests (`compare`: paired t-intervals, two-sided p Holm-adjusted over the
-report's distinct comparisons, TOST's p, and the words they earn: `cem_jax.stats.verdict`).
+run (`diverged`, `spikes` at `spike_steps`), each config's values by seed (`Results`), and the
+comparisons of a report with their tests (`compare`: paired t-intervals, two-sided p
+Holm-adjusted over the report's distinct comparisons, TOST's p, and the words they earn:
+`cem_jax.stats.verdict`).
 """
 
 from __future__ import annotations
@@ -18,18 +19,24 @@ SPIKE_NATS = 0.5  # a loss spike: a logged loss more than this above the running
 DIVERGENCE_STEP = 100  # a run diverges when it ends above its loss at this step
 
 
-def spikes(rec: dict) -> int:
-    """How many times the logged training loss rose more than SPIKE_NATS above the running
-    minimum of the losses before it (a run of such steps counts once; a non-finite loss counts
+def spike_steps(rec: dict) -> list[int]:
+    """The steps at which the logged training loss rose more than SPIKE_NATS above the running
+    minimum of the losses before it (a run of such steps: its first; a non-finite loss counts
     as such a step)."""
-    count, low, above = 0, math.inf, False
-    for _, loss in rec["train_loss"]:
+    steps, low, above = [], math.inf, False
+    for step, loss in rec["train_loss"]:
         now = loss is None or loss > low + SPIKE_NATS
-        count += now and not above
+        if now and not above:
+            steps.append(step)
         above = now
         if loss is not None:
             low = min(low, loss)
-    return count
+    return steps
+
+
+def spikes(rec: dict) -> int:
+    """How many loss spikes the run had (`spike_steps`)."""
+    return len(spike_steps(rec))
 
 
 def diverged(rec: dict) -> bool:

@@ -166,8 +166,8 @@ def plot_sizes(results: Results, sizes: Mapping[str, Mapping[str, dict]], path: 
 def plot_descent(results: Results, path: Path) -> bool:
     """Per tied sub-layer kind, the fraction of tokens whose energy went up across the update at
     each layer (step 1), mean over the seeds with a min–max band: trained (solid) and at
-    initialization (dashed), log scale, 0 drawn at half a token's share. False without
-    descent statistics."""
+    initialization (dashed), log scale, a value below half a token's share (0 too) drawn
+    there. False without descent statistics."""
     study, plt = results.study, _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), dpi=110, sharey=True)
     drawn, floor = False, 1.0
@@ -181,14 +181,15 @@ def plot_descent(results: Results, path: Path) -> bool:
                 continue
             zero = 0.5 / runs[0]["descent_tokens"]
             for stats, line in (("descent", "-"), ("descent_init", "--")):
-                up = np.maximum(zero, 1 - np.array([np.asarray(r[stats][kind]["down"])[:, 0]
-                                                    for r in runs]))
+                up = 1 - np.array([np.asarray(r[stats][kind]["down"])[:, 0] for r in runs])
                 style = _style(study, name)
                 if line == "--":
                     style["label"] = None
                 layers = np.arange(up.shape[1])
-                ax.plot(layers, up.mean(0), linestyle=line, marker="o", **style)
-                ax.fill_between(layers, up.min(0), up.max(0), color=style["color"], alpha=0.12,
+                ax.plot(layers, np.maximum(zero, up.mean(0)), linestyle=line, marker="o",
+                        **style)
+                ax.fill_between(layers, np.maximum(zero, up.min(0)),
+                                np.maximum(zero, up.max(0)), color=style["color"], alpha=0.12,
                                 linewidth=0)
             drawn = True
     if not drawn:
@@ -206,7 +207,8 @@ def plot_descent(results: Results, path: Path) -> bool:
         if ax.has_data():
             ax.legend(fontsize=8)
     fig.suptitle("Energy ascent across each CEM update, trained (solid) and at initialization "
-                 f"(dashed); mean over the seeds, band: min–max; 0 drawn at {floor:.1e}",
+                 "(dashed); mean over the seeds, band: min–max; a value below "
+                 f"{floor:.1e} (0 too) drawn at it",
                  fontsize=10)
     return _save(fig, path)
 

@@ -27,6 +27,7 @@ from cem_jax.study.analysis import (
     diverged,
     main_pairs,
     max_grad_norm,
+    spike_steps,
     spikes,
 )
 from cem_jax.study.plan import RunKey, Study, rate_text
@@ -276,29 +277,40 @@ def _sizes(results: Results) -> dict[str, dict[str, dict]]:
 
 def _slopes(study: Study, sizes: Mapping[str, Mapping[str, dict]]) -> list[str]:
     """Per tied config of the trend: the least-squares slope of its paired gap to the baseline
-    (every seed of every size) on log10 of its parameters, with a 95% interval; headed
-    "interim:" while a size lacks planned seeds on either side."""
+    on log10 of its parameters, with a 95% interval, over every seed of every size and, from 3
+    sizes, over the sizes' mean gaps (the seeds of one size share its rate and shape, so the
+    per-seed interval understates the spread between sizes: "no trend shown" follows the
+    means' interval where there is one); headed "interim:" while a size lacks planned seeds on
+    either side."""
     lines = []
     for name in study.size_configs:
         if name == study.baseline:
             continue
         interim = any(by_name[n]["runs"] < study.size_seeds for by_name in sizes.values()
                       for n in (name, study.baseline))
-        x, y = [], []
+        x, y, x_means, y_means = [], [], [], []
         for by_name in sizes.values():
             diffs = differences(by_name[name]["values"], by_name[study.baseline]["values"])
             if not diffs:
                 continue
             x += [math.log10(by_name[name]["params"])] * len(diffs)
             y += diffs
-        slope = slope_interval(x, y)
-        if slope is not None:
-            lines.append(f"- {'interim: ' * interim}{name} − {study.baseline}: the gap "
-                         f"changes by {slope.mean:+.4f} "
-                         f"[{slope.low:+.4f}, {slope.high:+.4f}] bits/byte per tenfold "
-                         f"parameters ({slope.n} paired seeds over "
-                         f"{len(set(x))} sizes; least squares, 95% t-interval)"
-                         + ("" if slope.separated else ": no trend shown") + ".")
+            x_means.append(x[-1])
+            y_means.append(statistics.mean(diffs))
+        slope, means = slope_interval(x, y), slope_interval(x_means, y_means)
+        if slope is None:
+            continue
+        line = (f"- {'interim: ' * interim}{name} − {study.baseline}: the gap changes by "
+                f"{slope.mean:+.4f} [{slope.low:+.4f}, {slope.high:+.4f}] bits/byte per "
+                f"tenfold parameters of {name} ({slope.n} paired seeds over {len(set(x))} "
+                "sizes; least squares, 95% t-interval)")
+        if means is not None:
+            line += (f"; over the {means.n} sizes' mean gaps, {means.mean:+.4f} "
+                     f"[{means.low:+.4f}, {means.high:+.4f}] (the seeds of one size share its "
+                     "rate and shape: the per-seed interval understates the spread between "
+                     "sizes)")
+        shown = (means if means is not None else slope).separated
+        lines.append(line + ("" if shown else ": no trend shown") + ".")
     return lines
 
 
@@ -365,9 +377,11 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
             bad = [rate_text(r) for r, rec in sorted(results.sweep_records(name).items())
                    if diverged(rec)]
             runs = results.runs(name)
+            at = [f"seed {seed} at step {step}" for seed, r in runs.items()
+                  for step in spike_steps(r)]
             stability = (f"; at it, {len(results.diverged(name))} of {len(runs)} seeds "
-                         "diverged, " + _count(sum(spikes(r) for r in runs.values()),
-                                               "loss spike")) if runs else ""
+                         f"diverged, {_count(len(at), 'loss spike')}"
+                         + (f" ({', '.join(at)})" if at else "")) if runs else ""
             lines.append(f"- {name}: best rate {rate_text(best)} of the sweep"
                          + (f" (diverged at {', '.join(bad)})" if bad else " (no rate diverged)")
                          + stability + ".")

@@ -26,12 +26,12 @@ from cem_jax.stats import (
     tost_p,
     verdict,
 )
-from cem_jax.study.analysis import diverged, spikes
+from cem_jax.study.analysis import diverged, spike_steps, spikes
 from cem_jax.study.cli import main
 from cem_jax.study.figures import colours
 from cem_jax.study.plan import RunKey, load_study, plan, rate_text
 from cem_jax.study.records import run_spec
-from cem_jax.study.report import SUMMARY_END, SUMMARY_START, _validation
+from cem_jax.study.report import SUMMARY_END, SUMMARY_START, _slopes, _validation
 from cem_jax.train_config import load_config
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -286,8 +286,9 @@ def test_report_from_hand_written_runs(study_file: Path):
     fit = scipy.stats.linregress([np.log10(300)] * 3 + [3.0] * 3, [*small, *cem[:3]])
     half = scipy.stats.t.ppf(0.975, 4) * fit.stderr
     assert (f"the gap changes by {fit.slope:+.4f} [{fit.slope - half:+.4f}, "
-            f"{fit.slope + half:+.4f}] bits/byte per tenfold parameters (6 paired seeds over "
-            "2 sizes") in trend
+            f"{fit.slope + half:+.4f}] bits/byte per tenfold parameters of shakespeare_cem "
+            "(6 paired seeds over 2 sizes; least squares, 95% t-interval)") in trend
+    assert "mean gaps" not in trend  # 2 sizes: no fit of their means
     assert _table_row(trend, "d128")[4] == "3"  # the middle size: its first 3 seeds
 
     # the sweep: bits per byte per rate, the diverged ones (non-finite; above step 100's loss)
@@ -306,7 +307,7 @@ def test_report_from_hand_written_runs(study_file: Path):
     row = _table_row(equal_steps, "shakespeare_cem_mlp")
     assert row[8:10] == ["1 of 5", "1"] and row[11] == "1,000"  # its diverged seed: no tokens/s
     assert ("- shakespeare_cem_mlp: best rate 1e-2 of the sweep (no rate diverged); at it, 1 of "
-            "5 seeds diverged, 1 loss spike.") in text
+            "5 seeds diverged, 1 loss spike (seed 4 at step 90).") in text  # its non-finite loss
     assert "- shakespeare_cem_attn: best rate 1e-2 of the sweep (diverged at 2e-2); at it, 0 " \
         "of 5 seeds diverged, 0 loss spikes." in text
 
@@ -494,9 +495,33 @@ def test_stability_definitions():
     assert spikes(rec) == 1 and not diverged(rec)
     rec["train_loss"] = [[1, 7.0], [100, 5.0], [101, 5.6], [102, 5.7], [103, 5.2], [104, 5.6],
                          [300, 4.9]]
-    assert spikes(rec) == 2  # two rises above 5.5, the first of two steps
+    assert spikes(rec) == 2 and spike_steps(rec) == [101, 104]  # two rises above 5.5
     assert diverged({"status": "ok", "train_loss": [[1, 7.0], [100, 5.0], [300, 5.01]]})
     assert diverged({"status": "diverged", "train_loss": [[1, 7.0]]})
+
+
+def test_trend_slope_over_seeds_and_over_size_means(study_file: Path):
+    """The seeds of one size share its rate and shape: a slope whose per-seed interval
+    excludes 0 shows no trend when the 3 sizes' mean gaps do not."""
+    gaps = {"d1": [0.02, 0.03, 0.025], "d2": [0.06, 0.05, 0.055], "d3": [0.07, 0.08, 0.075]}
+    params = {"d1": 1e5, "d2": 1e6, "d3": 1e7}
+    sizes = {size: {"shakespeare_llama": {"values": dict.fromkeys(range(3), 2.0), "runs": 3,
+                                          "params": 2 * params[size]},
+                    "shakespeare_cem": {"values": {s: 2.0 + g for s, g in enumerate(gaps[size])},
+                                        "runs": 3, "params": params[size]}} for size in gaps}
+    [line] = _slopes(load_study(study_file), sizes)
+    x = [5.0] * 3 + [6.0] * 3 + [7.0] * 3
+    seeds = scipy.stats.linregress(x, [g for size in gaps for g in gaps[size]])
+    means = scipy.stats.linregress([5.0, 6.0, 7.0], [np.mean(g) for g in gaps.values()])
+    half_seeds = scipy.stats.t.ppf(0.975, 7) * seeds.stderr
+    half_means = scipy.stats.t.ppf(0.975, 1) * means.stderr
+    assert seeds.slope - half_seeds > 0 > means.slope - half_means  # the case this tests
+    assert line.startswith(f"- shakespeare_cem − shakespeare_llama: the gap changes by "
+                           f"{seeds.slope:+.4f} [{seeds.slope - half_seeds:+.4f}, "
+                           f"{seeds.slope + half_seeds:+.4f}] bits/byte")
+    assert (f"over the 3 sizes' mean gaps, {means.slope:+.4f} [{means.slope - half_means:+.4f},"
+            f" {means.slope + half_means:+.4f}]") in line
+    assert line.endswith(": no trend shown.")
 
 
 def test_committed_report_is_regenerated_from_its_files(tmp_path: Path, monkeypatch):
