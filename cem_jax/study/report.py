@@ -293,9 +293,9 @@ def _slopes(study: Study, sizes: Mapping[str, Mapping[str, dict]]) -> list[str]:
             diffs = differences(by_name[name]["values"], by_name[study.baseline]["values"])
             if not diffs:
                 continue
-            x += [math.log10(by_name[name]["params"])] * len(diffs)
-            y += diffs
-            x_means.append(x[-1])
+            at = math.log10(by_name[name]["params"])
+            x, y = x + [at] * len(diffs), y + diffs
+            x_means.append(at)
             y_means.append(statistics.mean(diffs))
         slope, means = slope_interval(x, y), slope_interval(x_means, y_means)
         if slope is None:
