@@ -7,8 +7,12 @@ of `--steps` steps alternate between the two (the machine's noise falls on both 
 timed until its last step's metrics are on the host (the loop's end-of-run checkpoint, which
 a run takes once, is left out); the median segment gives tokens/s. Target: loop / bare ≥ 0.97.
 
-Run: `python benchmarks/loop.py [--config configs/shakespeare_cem.yaml] [key=value ...]`
-(needs the config's corpus; the default one is fetched on first use).
+With `--read-delay-ms 30`, the loop's batches are read at a bucket's latency: the config's
+training split (its tokenized dataset) through `benchmarks/data.py`'s `DelayedFileSystem`, each
+request 30 ms, a step's rows requested at once (the bare step's batches are read before timing).
+
+Run: `python benchmarks/loop.py [--config configs/shakespeare_cem.yaml] [--read-delay-ms 30]
+[key=value ...]` (needs the config's corpus; the default one is fetched on first use).
 """
 
 import argparse
@@ -20,7 +24,7 @@ import jax
 import numpy as np
 
 from cem_jax.checkpoint import Checkpointer
-from cem_jax.data import build_tokenizer, make_train_iterator
+from cem_jax.data import build_tokenizer, load_tokens, make_train_iterator
 from cem_jax.sharding import global_batch, make_mesh
 from cem_jax.train.metrics import MetricsWriter
 from cem_jax.train.run import make_loop
@@ -33,12 +37,24 @@ def main():
     parser.add_argument("--config", default="configs/shakespeare_cem.yaml")
     parser.add_argument("--steps", type=int, default=30, help="steps per timed segment")
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--read-delay-ms", type=float, default=None,
+                        help="read the training split at this latency per request")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     run_dir = tempfile.mkdtemp(prefix="cem-loop-bench-")
-    cfg = load_config(args.config, [*args.overrides, f"run.dir={run_dir}", "run.log_every=1",
-                                    "run.eval_every=1000000", "run.checkpoint_every=1000000",
-                                    "run.progress=false"])
+    fixed = [f"run.dir={run_dir}", "run.log_every=1", "run.eval_every=1000000",
+             "run.checkpoint_every=1000000", "run.progress=false"]
+    cfg = load_config(args.config, [*args.overrides, *fixed])
+    reader = f"{cfg.data.corpus} as it is"
+    if args.read_delay_ms is not None:
+        from data import DelayedFileSystem  # benchmarks/data.py: registers delayed://
+
+        DelayedFileSystem.delay_s = args.read_delay_ms / 1e3
+        root = load_tokens(cfg.data, build_tokenizer(cfg.data), "train").root
+        args.overrides = [*args.overrides, f"data.corpus=delayed://{root}"]
+        cfg = load_config(args.config, [*args.overrides, *fixed])
+        reader = (f"{args.read_delay_ms:g} ms per request (DelayedFileSystem), "
+                  f"num_threads {cfg.data.num_threads}, prefetch {cfg.data.prefetch}")
     mesh = make_mesh(cfg.mesh)
     trainer = Trainer(cfg.model, cfg.optimizer, 1_000_000, mesh)
     tokenizer = build_tokenizer(cfg.data)
@@ -78,7 +94,8 @@ def main():
     paired = np.array(times["bare"]) / np.array(times["loop"])  # neighbours in time
     print(f"train loop vs bare step, {args.steps}-step segments x {args.repeats} "
           f"(median), {cfg.data.batch_size}x{cfg.data.seq_len} tokens/step, "
-          f"{jax.device_count()} {jax.devices()[0].device_kind} device(s)")
+          f"{jax.device_count()} {jax.devices()[0].device_kind} device(s); the loop reads "
+          f"from {reader}")
     for name in ("bare", "loop"):
         print(f"  {name:5s} {speed[name]:10,.0f} tokens/s")
     print(f"loop / bare: {speed['loop'] / speed['bare']:.3f}x of the medians; per repeat "

@@ -8,11 +8,21 @@ function of the seed and the step), so a checkpoint holds nothing per process an
 any process count; the `data/` item of older checkpoints (grain iterator files, one per
 process) is not read.
 
-Saving is asynchronous (training continues while arrays are written); orbax writes each step
-into a temporary directory and renames it when complete, so a run killed mid-save leaves the
-previous checkpoint as the latest, and a save that fails for want of space raises
-`CheckpointWriteError` and leaves the complete ones as they are (its partial files are removed
-when the Checkpointer closes). The newest `keep` are kept. A restore first compares the
+The run directory may be local or a bucket (`gs://`): orbax writes the arrays through
+TensorStore either way. Saving is asynchronous (training continues while arrays are written).
+A step is complete once orbax marks it so: locally it writes the step into a temporary folder
+(`N.orbax-checkpoint-tmp-*`) and renames it to `N`; a bucket has no rename, so there it writes
+`N/` in place and marks it complete with `N/commit_success.txt` last. A run killed mid-save thus
+leaves the previous checkpoint as the latest either way; a training start removes the partial
+steps an earlier one left (orbax's `cleanup_tmp_directories`), and a save that fails for want of
+space raises `CheckpointWriteError` and leaves the complete ones as they are (its partial files
+are removed when the Checkpointer closes). On a bucket that stops answering, a save in flight
+(its arrays being written by TensorStore) is retried by TensorStore for many minutes before
+it fails (each request tried again and again, `gcs_request_retries`, which orbax gives no
+setting for; left as it is), and `wait`, `close` and the next `save` wait for it; the
+complete checkpoints stay as they are. An outage between saves is seen sooner: cem-train
+flushes its metrics (`files`, bounded to about a minute) before each save starts, and fails
+there (`cem_jax.exits`, status 1). The newest `keep` are kept. A restore first compares the
 saved arrays (names, shapes, dtypes) with the state the run builds, so a checkpoint of another
 structure (another cem_jax version's optimizer, say) is refused by name, not read as corrupt.
 """
@@ -25,23 +35,25 @@ import inspect
 import logging
 import os
 import re
-import shutil
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
-from cem_jax.data import Tokenizer
+from cem_jax.data import Tokenizer, files
+
+# What orbax writes last into a step on object storage, which has no rename.
+COMMIT_MARKER = "commit_success.txt"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be restored (corrupt, or from another config)."""
 
 
-def restore_error(path: Path, err: Exception, verb: str = "restore") -> CheckpointError:
+def restore_error(path: epath.Path | str, err: Exception, verb: str = "restore") -> CheckpointError:
     """The CheckpointError for orbax's failure `err` to read checkpoint `path`: the cause's
     first line (TensorStore appends its whole spec) and what to do."""
     cause = (str(err).splitlines() or [""])[0].split(" See full TensorStore")[0][:300]
@@ -113,37 +125,54 @@ def drop_failure_echoes() -> None:
         logging.getLogger(name).addFilter(_FailureEchoes())
 
 
-def complete_steps(directory: Path) -> list[int]:
-    """The steps of the complete checkpoints in `directory` (RUN_DIR/checkpoints), ascending:
-    orbax writes a step under a temporary name and renames it to the bare step number when it
-    is complete. Without orbax, for what a failed run left behind."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+def complete_steps(directory: str) -> list[int]:
+    """The steps of the complete checkpoints in `directory` (RUN_DIR/checkpoints, local or a
+    URL), ascending: a folder named by its step, and on a bucket holding `COMMIT_MARKER` (see
+    the module docstring). Without orbax, for what a failed run left behind."""
+    return sorted(int(name) for name in files.names(directory)
+                  if name.isdigit() and _complete(files.join(directory, name)))
 
 
-def checkpoint_directory(run_dir: str | Path) -> Path:
-    """The absolute `run_dir/checkpoints`. Raises ValueError when its path holds "[" or "]":
-    orbax reads them as a glob pattern when it joins a checkpoint's per-process parts, so it
-    would write checkpoints there that can never be restored."""
-    directory = (Path(run_dir) / "checkpoints").absolute()
-    if "[" in str(directory) or "]" in str(directory):
-        raise ValueError(f"the run directory {Path(run_dir).absolute()} has '[' or ']' in its "
-                         f"path: orbax would write checkpoints there that can never be restored "
-                         f"(it reads brackets as a glob pattern); rename the folder or choose "
-                         f"another run directory")
-    return directory
+def _complete(step_dir: str) -> bool:
+    if files.is_url(step_dir):
+        return files.is_file(files.join(step_dir, COMMIT_MARKER))
+    return files.is_dir(step_dir)
+
+
+def partial_checkpoints(directory: str) -> list[str]:
+    """The paths of the partial checkpoints in `directory` (a save killed or failed): locally
+    orbax's temporary folders, on a bucket the step folders without `COMMIT_MARKER`."""
+    return [files.join(directory, name) for name in files.names(directory)
+            if ".orbax-checkpoint-tmp" in name
+            or (name.isdigit() and not _complete(files.join(directory, name)))]
+
+
+def checkpoint_directory(run_dir: str) -> epath.Path:
+    """`run_dir/checkpoints` (made absolute when local) as orbax takes it. Raises ValueError
+    when its path holds "[" or "]": orbax reads them as a glob pattern when it joins a
+    checkpoint's per-process parts, so it would write checkpoints there that can never be
+    restored."""
+    directory = files.join(run_dir, "checkpoints")
+    if not files.is_url(directory):
+        directory = os.path.abspath(directory)
+    if "[" in directory or "]" in directory:
+        raise ValueError(f"the run directory {directory.rsplit('/checkpoints', 1)[0]} has '[' or "
+                         f"']' in its path: orbax would write checkpoints there that can never "
+                         f"be restored (it reads brackets as a glob pattern); rename the folder "
+                         f"or choose another run directory")
+    return epath.Path(directory)
 
 
 class Checkpointer:
     """Save and restore (train state, metadata) under `run_dir/checkpoints`
     (a path without brackets, `checkpoint_directory`)."""
 
-    def __init__(self, run_dir: Path, keep: int):
+    def __init__(self, run_dir: str, keep: int):
         drop_failure_echoes()
         self.directory = checkpoint_directory(run_dir)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=True)
+                                               enable_async_checkpointing=True,
+                                               cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self.write_failed = False
 
@@ -208,8 +237,8 @@ class Checkpointer:
                 self.manager.close()
         finally:
             if self.write_failed and jax.process_index() == 0:
-                for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
-                    shutil.rmtree(partial, ignore_errors=True)
+                for partial in partial_checkpoints(str(self.directory)):
+                    files.remove_tree(partial)
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:

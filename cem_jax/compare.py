@@ -56,6 +56,7 @@ from cem_jax import exits
 from cem_jax.compare_analysis import analyze
 from cem_jax.compare_report import Report, figure_names, figure_path, step_flops
 from cem_jax.compare_runs import RunSpec, train_one
+from cem_jax.data import files
 from cem_jax.evaluate import positive_int
 from cem_jax.train_config import TrainConfig, load_config
 
@@ -148,7 +149,7 @@ def _train_all(runs: Mapping[Key, RunSpec]) -> tuple[dict[Key, dict], int | None
         results[key] = train_one(spec)
         if results[key]["stopped"] or exits.received() is not None:
             return results, _stopped(f"while training {spec.stem} seed {spec.seed} (its "
-                                     f"{Path(results[key]['dir']) / 'train.log'} says what "
+                                     f"{files.join(results[key]['dir'], 'train.log')} says what "
                                      f"it saved)")
     return results, None
 
@@ -213,7 +214,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--recursion-steps", type=_int_list, default=[1, 2, 3, 4],
                         metavar="N,N,...", help="CEM steps per sub-layer at test time")
     parser.add_argument("--out", type=Path, default=Path("runs/compare/results.md"))
-    parser.add_argument("--runs-dir", type=Path, default=Path("runs/compare"))
+    parser.add_argument("--runs-dir", default="runs/compare",
+                        help="where the runs are trained: a folder, or a bucket's URL")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser
 

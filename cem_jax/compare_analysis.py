@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np
 
-from cem_jax.data import make_eval_batches
+from cem_jax.data import files, make_eval_batches
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run
 from cem_jax.monitor import descent_statistics, preconditioner_stats
 from cem_jax.rundir import Run, load_run
@@ -28,7 +27,7 @@ def analyze(row: dict, cfg: TrainConfig, *, ood: str, descent_batches: int,
     "recursion": {N: {"bits_per_byte": validation at N steps per sub-layer, "descent": as
     above at N steps}} for N in `recursion`. Each result is computed once and kept in
     RUN_DIR/analysis.json; the checkpoint is loaded only when one is missing."""
-    cache = AnalysisCache(Path(row["dir"]))
+    cache = AnalysisCache(row["dir"])
     if ood != "none":
         row["ood"] = cache.get(f"ood:{ood}", lambda run: _evaluate(run, ood))
     if not cfg.data.has_validation:
@@ -54,9 +53,10 @@ class AnalysisCache:
     """Results by key in RUN_DIR/analysis.json; `get(key, compute)` calls compute(the loaded
     `cem_jax.rundir.Run`) only for a key it does not hold, and saves the result."""
 
-    def __init__(self, run_dir: Path):
-        self.run_dir, self.path = run_dir, run_dir / "analysis.json"
-        self.results = json.loads(self.path.read_text()) if self.path.is_file() else {}
+    def __init__(self, run_dir: str):
+        self.run_dir, self.path = run_dir, files.join(run_dir, "analysis.json")
+        self.results = json.loads(files.read_text(self.path)) if files.is_file(self.path) \
+            else {}
         self.run = None
 
     def get(self, key: str, compute: Callable):
@@ -65,7 +65,7 @@ class AnalysisCache:
                 self.run = load_run(self.run_dir)
             print(f"cem-compare: {key} of {self.run_dir}", flush=True)
             self.results[key] = compute(self.run)
-            self.path.write_text(json.dumps(self.results))
+            files.write_text(self.path, json.dumps(self.results))
         return self.results[key]
 
 

@@ -13,11 +13,12 @@ import math
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from cem_jax import exits
+from cem_jax.data import files
 from cem_jax.evaluate import bits_per_byte_of
 from cem_jax.train.metrics import logged_records, logged_values
 from cem_jax.train_config import TrainConfig, load_config
@@ -43,11 +44,11 @@ class RunSpec:
 
     @classmethod
     def make(cls, stem: str, path: str, steps: int, seed: int, eval_every: int,
-             runs_dir: Path, overrides: Sequence[str]) -> RunSpec:
+             runs_dir: str, overrides: Sequence[str]) -> RunSpec:
         """The run's `cem-train` arguments and resolved config (raises as `load_config`)."""
         args = ("run.progress=false", *overrides, f"run.steps={steps}",
                 f"run.eval_every={eval_every}", f"run.seed={seed}", f"data.seed={seed}",
-                f"run.dir={runs_dir / stem / f'steps{steps}_seed{seed}'}")
+                f"run.dir={files.join(str(runs_dir), stem, f'steps{steps}_seed{seed}')}")
         return cls(stem, path, steps, seed, args, load_config(path, list(args)))
 
 
@@ -55,35 +56,50 @@ def train_one(spec: RunSpec, program: str = "cem-compare") -> dict:
     """Train (or resume, or reuse) one run, its lines on stdout and stderr headed by
     `program`; returns its result as a dict: "ok", "note", "status" (cem-train's exit status,
     0 for a run reused), "dir", "seed", "steps", "wall_s" and `read_metrics`' fields."""
-    cfg, run_dir = spec.cfg, Path(spec.cfg.run.dir)
-    row = {"dir": str(run_dir), "seed": spec.seed, "steps": spec.steps, "ok": False, "note": "",
+    cfg, run_dir = spec.cfg, spec.cfg.run.dir
+    row = {"dir": run_dir, "seed": spec.seed, "steps": spec.steps, "ok": False, "note": "",
            "status": 0, "stopped": False}
     clash = _other_run(run_dir, cfg)
     if clash:
         row["note"] = clash
         print(f"{program}: {spec.stem}: {clash}", file=sys.stderr)
         return row
-    book = run_dir / "compare.json"  # training wall time summed over invocations
-    wall = json.loads(book.read_text())["wall_s"] if book.is_file() else 0.0
+    book = files.join(run_dir, "compare.json")  # training wall time summed over invocations
+    wall = json.loads(files.read_text(book))["wall_s"] if files.is_file(book) else 0.0
     if not _finished(run_dir, cfg):
         print(f"{program}: training {spec.stem} seed {spec.seed} ({spec.steps} steps) in "
               f"{run_dir}", flush=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        files.make_dirs(run_dir)
         start = time.perf_counter()
-        with open(run_dir / "train.log", "a") as log:
-            status = train_process(["--config", spec.path, *spec.args], log)
+        status = _train_logged(["--config", spec.path, *spec.args], files.join(run_dir,
+                                                                               "train.log"))
         wall += time.perf_counter() - start
-        book.write_text(json.dumps({"wall_s": wall}))
+        files.write_text(book, json.dumps({"wall_s": wall}))
         row["status"], row["stopped"] = status, status == exits.ExitStatus.STOPPED
         if status != 0:
             words = _STATUS_WORDS.get(status, "killed" if status < 0 else "crashed").format(
                 program=program)
             row["note"] = (f"cem-train exited with status {status} ({words}); see "
-                           f"{run_dir / 'train.log'}")
+                           f"{files.join(run_dir, 'train.log')}")
             print(f"{program}: {spec.stem}: {row['note']}", file=sys.stderr)
     row.update(read_metrics(run_dir, cfg), wall_s=wall)
     row["ok"] = not row["note"] and _finished(run_dir, cfg)
     return row
+
+
+def _train_logged(argv: list[str], log_path: str) -> int:
+    """`train_process` with its output appended to the file `log_path`; on a bucket (no
+    append) it is written to a local temporary file, and the log uploaded whole after."""
+    if not files.is_url(log_path):
+        with open(log_path, "a") as log:
+            return train_process(argv, log)
+    old = files.read_bytes(log_path) if files.is_file(log_path) else b""
+    with tempfile.TemporaryFile() as log:
+        try:
+            return train_process(argv, log)
+        finally:
+            log.seek(0)
+            files.write_bytes(log_path, old + log.read())
 
 
 def train_process(argv: list[str], log) -> int:
@@ -97,7 +113,7 @@ def train_process(argv: list[str], log) -> int:
         return child.wait()
 
 
-def read_metrics(run_dir: Path, cfg: TrainConfig) -> dict:
+def read_metrics(run_dir: str, cfg: TrainConfig) -> dict:
     """From `metrics.jsonl`: the final validation {"loss", "perplexity", "bits_per_byte"}
     ("eval", empty if none), the validation curve ("curve": [(step, bits per byte)]) and the
     median tokens/s of the training log windows after the first tenth of the steps."""
@@ -112,18 +128,18 @@ def read_metrics(run_dir: Path, cfg: TrainConfig) -> dict:
             "tokens_per_s": statistics.median(speeds) if speeds else math.nan}
 
 
-def _finished(run_dir: Path, cfg: TrainConfig) -> bool:
+def _finished(run_dir: str, cfg: TrainConfig) -> bool:
     """The metrics hold the final validation (written once the last step is done), or, for a
     run without a validation split, the last step's training record."""
     kind = "eval" if cfg.data.has_validation else "train"
     return logged_values(run_dir, cfg.run.steps, kind) is not None
 
 
-def _other_run(run_dir: Path, cfg: TrainConfig) -> str:
+def _other_run(run_dir: str, cfg: TrainConfig) -> str:
     """Why `run_dir` cannot hold this run ("" if it is new or the same run)."""
-    if not (run_dir / "config.yaml").is_file():
+    if not files.is_file(files.join(run_dir, "config.yaml")):
         return ""
-    saved = load_config(run_dir / "config.yaml").to_dict()
+    saved = load_config(files.join(run_dir, "config.yaml")).to_dict()
     new = cfg.to_dict()
     for section in ("model", "data", "optimizer"):
         if saved[section] != new[section]:

@@ -120,7 +120,8 @@ def evaluate_run(run: Run, text: str | None = None, corpus: str = "validation",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`cem-eval`; returns the exit status (0 ok, 1 the run or the text cannot be read)."""
+    """`cem-eval`; returns the exit status (0 ok, 1 the run or the text cannot be read, or
+    object storage is unreachable or failing: one line)."""
     parser = argparse.ArgumentParser(prog="cem-eval", description="Loss, perplexity and bits "
                                      "per byte of a checkpoint on a text.")
     parser.add_argument("--run", required=True, help="run directory")
@@ -141,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cem_jax.checkpoint import CheckpointError
     from cem_jax.compilation_cache import use_compilation_cache
     from cem_jax.data import FetchError
+    from cem_jax.data.storage_errors import storage_error
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
 
     quiet_checkpoint_logs()
@@ -149,8 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         use_compilation_cache(run.config)
         result = evaluate_run(run, args.text, args.corpus, progress=not args.no_progress,
                               allow_invalid_utf8=args.allow_invalid_utf8, steps=args.steps)
-    except (FileNotFoundError, CheckpointError, FetchError, ValueError) as err:
-        print(f"cem-eval: error: {err}", file=sys.stderr)
+    except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
+        said = storage_error(err)
+        if said is None and not isinstance(err, (FileNotFoundError, CheckpointError,
+                                                 FetchError, ValueError)):
+            raise
+        print(f"cem-eval: error: {said or err}", file=sys.stderr)
         return 1
     recursion = f" with {args.steps} CEM steps per sub-layer" if args.steps else ""
     print(f"{args.text or args.corpus} at step {run.step}{recursion}: {describe(result)} "

@@ -6,7 +6,14 @@ Exit statuses (`ExitStatus`; README "Training" and launch/README.md; the launche
                    run started again, a dry run)
     1  CRASHED     an unexpected error, a bug or a lost host or device: the traceback, then one
                    line; the launchers retry a bounded number of times (Python's own status for
-                   an uncaught exception is 1 too)
+                   an uncaught exception is 1 too). Also object storage (a `gs://` run.dir or
+                   data) unreachable or failing (`cem_jax.data.storage_errors`): one line
+                   naming the URL, no traceback, within about a minute (gcsfs's retries of one
+                   request; the way out makes no other full retry cycle); the newest complete
+                   checkpoint is kept, and a relaunch on the same host takes the lock left on
+                   the bucket at once (`cem_jax.train.lock`). A save in flight when the storage
+                   went away is retried by TensorStore for many minutes first
+                   (`cem_jax.checkpoint`)
     2  CANNOT_RUN  the run cannot go on as configured and a retry will not help: a bad config,
                    a missing or corrupt data file or checkpoint, an unwritable, full or in-use
                    run.dir, a step that does not fit in device memory; not retried

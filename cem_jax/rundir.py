@@ -1,4 +1,5 @@
-"""Load what a training run left: `RUN_DIR/config.yaml`, its tokenizer (`RUN_DIR/tokenizer.model`,
+"""Load what a training run left (RUN_DIR local, or a URL such as gs://bucket/run):
+`RUN_DIR/config.yaml`, its tokenizer (`RUN_DIR/tokenizer.model`,
 or `tokenizer.json` beside `tokenizer_config.json`: `find_tokenizer`) and the parameters of
 one checkpoint `RUN_DIR/checkpoints/<step>/state` (written by
 `cem_jax.checkpoint.Checkpointer`).
@@ -17,20 +18,21 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 from cem_jax.checkpoint import (
     Checkpointer,
     CheckpointError,
+    checkpoint_directory,
     drop_failure_echoes,
     restore_error,
 )
-from cem_jax.data import Tokenizer, load_tokenizer
+from cem_jax.data import Tokenizer, files, load_tokenizer
 from cem_jax.data.tokenizer import find_tokenizer
 from cem_jax.model import CEMTransformer, model_from_params
 from cem_jax.optim import make_optimizer
@@ -46,7 +48,7 @@ class Run:
     """A loaded run: its resolved `config`, `tokenizer`, checkpoint `step` and `params` (the
     model's pure parameter dict, fp32 arrays, blocks stacked on L when `scan_layers`)."""
 
-    directory: Path
+    directory: str
     config: TrainConfig
     tokenizer: Tokenizer
     step: int
@@ -57,17 +59,17 @@ class Run:
         return model_from_params(self.config.model, self.params)
 
 
-def available_steps(run_dir: str | Path) -> list[int]:
+def available_steps(run_dir: str) -> list[int]:
     """The complete checkpoint steps under `run_dir/checkpoints`, ascending (orbax's own
     listing: a step still being written, or torn by a kill, is not one)."""
-    directory = Path(run_dir) / "checkpoints"
-    if not directory.is_dir():
+    directory = checkpoint_directory(files.local(str(run_dir)))
+    if not files.is_dir(str(directory)):
         return []
     with _read_only_manager(directory) as manager:
         return sorted(manager.all_steps())
 
 
-def load_run(run_dir: str | Path, step: int | None = None) -> Run:
+def load_run(run_dir: str, step: int | None = None) -> Run:
     """Load config, tokenizer and the parameters of checkpoint `step` (None: the newest).
 
     Raises:
@@ -76,23 +78,23 @@ def load_run(run_dir: str | Path, step: int | None = None) -> Run:
         run's tokenizer is not the one the checkpoint was trained with.
       ValueError: config.yaml is invalid, or the tokenizer has more ids than the model.
     """
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise RunDirError(f"{run_dir / 'config.yaml'} is missing: {run_dir} is not a run "
-                          f"directory")
+    run_dir = files.local(str(run_dir))
+    config_path = files.join(run_dir, "config.yaml")
+    if not files.is_file(config_path):
+        raise RunDirError(f"{config_path} is missing: {run_dir} is not a run directory")
     try:
         tokenizer_path = find_tokenizer(run_dir)
     except FileNotFoundError as err:
         raise RunDirError(str(err)) from None
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_config(config_path)
     tokenizer = load_tokenizer(tokenizer_path, cfg.model.vocab_size)
     steps = available_steps(run_dir)
     if not steps:
-        raise RunDirError(f"{run_dir / 'checkpoints'} holds no checkpoint")
+        raise RunDirError(f"{files.join(run_dir, 'checkpoints')} holds no checkpoint")
     step = steps[-1] if step is None else step
     if step not in steps:
         raise RunDirError(f"{run_dir} has no checkpoint of step {step} (it has {steps})")
-    params, meta = _restore_params(run_dir / "checkpoints", step, cfg)
+    params, meta = _restore_params(checkpoint_directory(run_dir), step, cfg)
     if meta.get("tokenizer_sha256") != tokenizer.sha256:
         raise CheckpointError(f"{tokenizer_path} is not the tokenizer checkpoint {step} was "
                               f"trained with (SHA-256 differs)")
@@ -106,14 +108,14 @@ def quiet_checkpoint_logs() -> None:
 
 
 @contextlib.contextmanager
-def _read_only_manager(directory: Path) -> Iterator[ocp.CheckpointManager]:
+def _read_only_manager(directory: epath.Path) -> Iterator[ocp.CheckpointManager]:
     """An orbax manager that only reads `directory`, without the warnings orbax logs about
     read-only managers (which say nothing to someone loading a run)."""
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(max(level, logging.ERROR))
     try:
-        manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(
+        manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
             create=False, read_only=True))
     finally:
         absl.setLevel(level)
@@ -123,7 +125,7 @@ def _read_only_manager(directory: Path) -> Iterator[ocp.CheckpointManager]:
         manager.close()
 
 
-def _restore_params(directory: Path, step: int, cfg: TrainConfig) -> tuple[dict, dict]:
+def _restore_params(directory: epath.Path, step: int, cfg: TrainConfig) -> tuple[dict, dict]:
     """The parameters (numpy, on the host) and meta of checkpoint `step`: an orbax partial
     restore of the state's "params" subtree (the optimizer state is not read)."""
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
@@ -152,7 +154,7 @@ def _restore_params(directory: Path, step: int, cfg: TrainConfig) -> tuple[dict,
     return jax.device_get(params), restored["meta"]
 
 
-def _other_model(path: Path, what: str) -> str:
+def _other_model(path: epath.Path, what: str) -> str:
     """The message for a checkpoint whose parameters are not those the config's model builds."""
     what = (what.splitlines() or [""])[0].split(" See full TensorStore")[0][:300]
     return (f"checkpoint {path} holds other parameters than the model of config.yaml builds "
@@ -161,17 +163,17 @@ def _other_model(path: Path, what: str) -> str:
             f"wrote it")
 
 
-def write_run(directory: str | Path, cfg: TrainConfig, params: dict, tokenizer: Tokenizer,
-              step: int = 0) -> Path:
+def write_run(directory: str, cfg: TrainConfig, params: dict, tokenizer: Tokenizer,
+              step: int = 0) -> str:
     """Write a run directory that `load_run` reads and `cem-train` resumes: config.yaml, the
     tokenizer's files (`Tokenizer.files`) and checkpoint `step` holding `params` (a model's
     pure dict), a fresh optimizer state and the step. Raises ValueError
     if `params` do not fit `cfg.model`."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = files.local(str(directory))
+    files.make_dirs(directory)
     model_from_params(cfg.model, params)  # checks names, shapes and dtypes
-    tokenizer.save(directory / tokenizer.file_name)
-    save_config(cfg, directory / "config.yaml")
+    tokenizer.save(files.join(directory, tokenizer.file_name))
+    save_config(cfg, files.join(directory, "config.yaml"))
     params = jax.tree.map(jnp.asarray, params)
     state = {"params": params, "opt_state": make_optimizer(cfg.optimizer, cfg.run.steps)
              .init(params), "step": jnp.asarray(step, jnp.int32)}

@@ -206,19 +206,25 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`cem-sample`: print continuations of the prompts; returns the exit status (0 ok,
-    1 the run cannot be loaded, 2 bad arguments)."""
+    1 the run cannot be loaded, or object storage is unreachable or failing: one line; 2 bad
+    arguments)."""
     args = _parser().parse_args(argv)
     # the training stack (checkpoint loading) is imported only by the command
     from cem_jax.checkpoint import CheckpointError
     from cem_jax.compilation_cache import use_compilation_cache
+    from cem_jax.data.storage_errors import storage_error
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
 
     quiet_checkpoint_logs()
     try:
         run = load_run(args.run, args.step)
         use_compilation_cache(run.config)
-    except (FileNotFoundError, CheckpointError, ValueError) as err:
-        print(f"cem-sample: error: {err}", file=sys.stderr)
+    except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
+        said = storage_error(err)
+        if said is None and not isinstance(err, (FileNotFoundError, CheckpointError,
+                                                 ValueError)):
+            raise
+        print(f"cem-sample: error: {said or err}", file=sys.stderr)
         return 1
     tok = run.tokenizer
     try:

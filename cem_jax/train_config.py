@@ -9,7 +9,6 @@ file (which may inherit from another through `base:`, see `cem_jax.config_files.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from cem_jax.config_files import (
     load_yaml,
     require,
 )
-from cem_jax.data import DataConfig
+from cem_jax.data import DataConfig, files
 from cem_jax.data.config import with_vocab_size
 
 
@@ -105,8 +104,9 @@ class RunConfig:
     """What the loop does and where it writes.
 
     dir: the run directory (config, tokenizer, metrics, checkpoints); an existing one with a
-      checkpoint is resumed. A local path (a bucket is mounted with gcsfuse: launch/README.md);
-      a leading `~` is the home directory; no '[' or ']' in its path
+      checkpoint is resumed. A local path (a leading `~` is the home directory) or a bucket's
+      URL, `gs://bucket/runs/x` (orbax writes the checkpoints there itself; docs/pod_training.md
+      says how each file is kept there); no '[' or ']' in its path
       (`cem_jax.checkpoint.checkpoint_directory`). steps: optimizer steps in all.
       seed: parameter init seed.
     init_from / init_step: start a new run from the parameters of the run directory
@@ -162,10 +162,7 @@ class RunConfig:
     def __post_init__(self):
         check_field_types(self)
         require(self.dir.strip() != "", "dir", self.dir, "a non-empty path")
-        object.__setattr__(self, "dir", os.path.expanduser(self.dir))  # as a shell would
-        require("://" not in self.dir, "dir", self.dir, "a local path (a bucket mounted with "
-                "gcsfuse, as launch/tpu_pod.sh --bucket does, is one: give the mount's path; "
-                "data may be read from gs:// directly)")
+        object.__setattr__(self, "dir", files.local(self.dir))  # `~` as a shell would
         for name in ("steps", "log_every", "eval_every", "checkpoint_every",
                      "keep_checkpoints", "profile_steps"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
@@ -176,7 +173,7 @@ class RunConfig:
         require(self.init_step is None or self.init_from is not None, "init_step",
                 self.init_step, "null unless run.init_from names the run to start from")
         if self.init_from is not None:
-            object.__setattr__(self, "init_from", os.path.expanduser(self.init_from))
+            object.__setattr__(self, "init_from", files.local(self.init_from))
         require(self.profile_start is None or self.profile_start >= 1, "profile_start",
                 self.profile_start, "a positive step number or null (no profile)")
         require(self.wandb_mode in ("online", "offline"), "wandb_mode", self.wandb_mode,
@@ -270,10 +267,26 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     Raises FileNotFoundError (no such file or base) or ValueError (bad YAML, a cycle of bases,
     an unknown or invalid field).
     """
-    values = load_yaml(path) if path is not None else {}
+    if path is not None and files.is_url(str(path)):  # a run directory's config.yaml
+        values = _read_url_yaml(str(path))
+    else:
+        values = load_yaml(path) if path is not None else {}
     return config_from_dict(apply_overrides(values, list(overrides), SECTIONS))
 
 
-def save_config(cfg: TrainConfig, path: Path) -> None:
-    """Write the resolved config as YAML (loadable by `load_config`)."""
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+def _read_url_yaml(url: str) -> dict[str, Any]:
+    """A YAML config file at a URL (no `base:` there: a resolved config holds none)."""
+    try:
+        values = yaml.safe_load(files.read_text(url)) or {}
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ValueError(f"config file {url!r} is not valid UTF-8 YAML: {err}") from err
+    if not isinstance(values, dict) or "base" in values:
+        raise ValueError(f"config file {url!r} must hold a mapping without base: (a config on a "
+                         f"bucket is a resolved one; keep configs with bases on a local disk)")
+    return values
+
+
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (loadable by `load_config`), whole, locally or to a
+    URL (`cem_jax.data.files.write_text`)."""
+    files.write_text(str(path), yaml.safe_dump(cfg.to_dict(), sort_keys=False))

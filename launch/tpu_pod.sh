@@ -2,7 +2,7 @@
 # Train cem_jax on a Cloud TPU VM slice (one host or a pod slice of many), surviving preemption.
 #
 #   launch/tpu_pod.sh --zone us-central2-b --accelerator v4-32 --bucket my-bucket -- \
-#       model.d_model=512 run.steps=20000
+#       model.d_model=512 run.steps=20000        # run.dir=gs://my-bucket/runs/cem-jax
 #
 # Creates the slice unless it exists, installs the package on every worker, starts the same
 # `cem-train ... mesh.distributed=true` on every worker (JAX finds the coordinator, the process
@@ -13,8 +13,10 @@
 # of times. When the slice goes away (spot/preemptible VM preempted, maintenance, lost ssh) it
 # deletes/recreates it or waits for it to be READY, reinstalls if it is new, and runs the same
 # command again: cem-train resumes from the newest checkpoint in run.dir, so run.dir must be
-# storage that outlives the slice and that every worker sees (a gcsfuse-mounted bucket, see
-# --bucket, or a Filestore/NFS mount). See launch/README.md. Run with --help for the options.
+# storage that outlives the slice and that every worker sees: a bucket, `gs://BUCKET/runs/NAME`
+# (--bucket or --run-dir; cem-train and orbax write it themselves, nothing is mounted), or a
+# Filestore/NFS mount (gcsfuse only on request, --gcsfuse). See launch/README.md and
+# docs/pod_training.md. Run with --help for the options.
 set -euo pipefail
 
 usage() {
@@ -41,10 +43,15 @@ Code and environment on the workers:
 Training:
   --config FILE          CONFIG           config, relative to the repository root
                                           (configs/shakespeare_cem.yaml)
-  --run-dir DIR          RUN_DIR          run.dir on the workers: shared and persistent
-                                          (default with --bucket: MOUNT/runs/NAME)
-  --bucket BUCKET        TPU_BUCKET       mount gs://BUCKET with gcsfuse on every worker
-  --mount DIR            TPU_MOUNT        where to mount it (/mnt/BUCKET)
+  --run-dir DIR          RUN_DIR          run.dir on the workers: shared and persistent,
+                                          e.g. gs://BUCKET/runs/NAME (default with --bucket:
+                                          gs://BUCKET/runs/NAME; with --gcsfuse too:
+                                          MOUNT/runs/NAME)
+  --bucket BUCKET        TPU_BUCKET       a GCS bucket in the slice's region, for the default
+                                          run.dir; nothing is mounted
+  --gcsfuse              TPU_GCSFUSE=1    mount the bucket with gcsfuse on every worker (not
+                                          needed: cem-train writes gs:// itself)
+  --mount DIR            TPU_MOUNT        where --gcsfuse mounts it (/mnt/BUCKET)
   section.key=value ...                   config overrides, passed to cem-train as they are
 
 Retries (a trainer stopped by a signal, status 75, is run again without counting):
@@ -52,6 +59,9 @@ Retries (a trainer stopped by a signal, status 75, is run again without counting
   --max-waits N          MAX_WAITS        polls for a READY slice per attempt (120)
   --poll-interval S      POLL_INTERVAL    seconds between polls of the slice state (30)
   --retry-delay S        RETRY_DELAY      seconds before running again after a failure (60)
+                         LOCK_LEASE       with a gs:// run.dir, at least this many seconds
+                                          (120): the lock object of a killed trainer lapses
+                                          that long after its last refresh
 
   --dry-run              DRY_RUN=1        print the gcloud commands instead of running them
   -h, --help                              this help
@@ -78,11 +88,13 @@ EXTRAS=${TPU_EXTRAS:-tpu}
 CONFIG=${CONFIG:-configs/shakespeare_cem.yaml}
 RUN_DIR=${RUN_DIR:-}
 BUCKET=${TPU_BUCKET:-}
+GCSFUSE=${TPU_GCSFUSE:-0}
 MOUNT=${TPU_MOUNT:-}
 MAX_RESTARTS=${MAX_RESTARTS:-20}
 MAX_WAITS=${MAX_WAITS:-120}
 POLL_INTERVAL=${POLL_INTERVAL:-30}
 RETRY_DELAY=${RETRY_DELAY:-60}
+LOCK_LEASE=${LOCK_LEASE:-120}  # cem_jax.train.lock.LEASE_S
 DRY_RUN=${DRY_RUN:-0}
 GCLOUD=${GCLOUD:-gcloud}
 SOURCE_DIR=${SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
@@ -111,6 +123,7 @@ while [[ $# -gt 0 ]]; do
     --config) need "$@"; CONFIG=$2; shift 2 ;;
     --run-dir) need "$@"; RUN_DIR=$2; shift 2 ;;
     --bucket) need "$@"; BUCKET=$2; shift 2 ;;
+    --gcsfuse) GCSFUSE=1; shift ;;
     --mount) need "$@"; MOUNT=$2; shift 2 ;;
     --max-restarts) need "$@"; MAX_RESTARTS=$2; shift 2 ;;
     --max-waits) need "$@"; MAX_WAITS=$2; shift 2 ;;
@@ -125,28 +138,30 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ -n $ZONE ]] || die "the zone is required: --zone ZONE or TPU_ZONE (see --help)"
-for n in MAX_RESTARTS MAX_WAITS POLL_INTERVAL RETRY_DELAY; do
+for n in MAX_RESTARTS MAX_WAITS POLL_INTERVAL RETRY_DELAY LOCK_LEASE; do
   [[ ${!n} =~ ^[0-9]+$ ]] || die "$n must be a non-negative integer, not '${!n}'"
 done
 BUCKET=${BUCKET#gs://}
 BUCKET=${BUCKET%/}
 [[ $BUCKET != */* ]] || die "--bucket takes a bucket name, not a path ('$BUCKET'); give" \
-  "--bucket ${BUCKET%%/*} --run-dir /mnt/${BUCKET%%/*}/${BUCKET#*/}"
-if [[ -n $BUCKET ]]; then
+  "--run-dir gs://$BUCKET"
+if [[ $GCSFUSE == 1 ]]; then
+  [[ -n $BUCKET ]] || die "--gcsfuse mounts the bucket that --bucket names: give --bucket too"
   MOUNT=${MOUNT:-/mnt/$BUCKET}
   RUN_DIR=${RUN_DIR:-$MOUNT/runs/$NAME}
+elif [[ -n $MOUNT ]]; then
+  die "--mount (TPU_MOUNT) is where --gcsfuse mounts the bucket: add --gcsfuse, or leave it" \
+    "out (the run directory is then gs://BUCKET/..., nothing mounted)"
+elif [[ -n $BUCKET ]]; then
+  RUN_DIR=${RUN_DIR:-gs://$BUCKET/runs/$NAME}
 fi
-[[ -n $RUN_DIR ]] || die "give --run-dir (a shared, persistent path on the workers) or --bucket"
+[[ -n $RUN_DIR ]] || die "give --run-dir (gs://BUCKET/runs/NAME, or a path every worker" \
+  "shares) or --bucket BUCKET"
 if [[ -z $REPO_URL && $CONFIG != /* && ! -f $SOURCE_DIR/$CONFIG ]]; then
   die "config '$CONFIG' is not in this checkout ($SOURCE_DIR), which is what the workers" \
     "get; give a path relative to the repository root, e.g. configs/cem_full_100m.yaml"
 fi
-if [[ $RUN_DIR == gs://* ]]; then
-  gcs=${RUN_DIR#gs://}
-  die "run.dir is a local path for cem_jax; mount the bucket instead: --bucket ${gcs%%/*}" \
-    "--run-dir /mnt/${gcs%%/*}${gcs#"${gcs%%/*}"}"
-fi
-if [[ $RUN_DIR != /* ]]; then
+if [[ $RUN_DIR != /* && $RUN_DIR != *://* ]]; then
   say "warning: run.dir '$RUN_DIR' is on the workers' boot disks: not shared between" \
       "workers, and lost when a preempted slice is recreated"
 fi
@@ -264,7 +279,7 @@ git -C $REMOTE_REPO checkout --force FETCH_HEAD
   cmd+="[ -x $REMOTE_VENV/bin/python ] || uv venv --python $(printf %q "$PYTHON_VERSION") $REMOTE_VENV
 uv pip install --python $REMOTE_VENV/bin/python -e $(printf %q "./${REMOTE_REPO}[$EXTRAS]")
 "
-  if [[ -n $BUCKET ]]; then
+  if [[ $GCSFUSE == 1 ]]; then
     # shellcheck disable=SC2016  # expanded on the workers
     cmd+='if ! command -v gcsfuse >/dev/null; then
   echo "deb [signed-by=/usr/share/keyrings/cloud.google.asc] https://packages.cloud.google.com/apt gcsfuse-$(lsb_release -c -s) main" | sudo tee /etc/apt/sources.list.d/gcsfuse.list
@@ -276,22 +291,26 @@ fi
   printf '%s' "$cmd"
 }
 
-train_script() {  # the script each worker runs under nohup: cem-train, then its exit status
+# The script each worker runs under nohup: cem-train, then its exit status. A SIGTERM or SIGINT
+# that reaches this script too (a signal to the process group, systemd stopping the session at a
+# shutdown) does not end it: it waits for cem-train, which saves its checkpoint (to the bucket)
+# before it exits 75, and records that status. Nothing here or in the launcher kills cem-train.
+train_script() {
   local args=(--config "$CONFIG" "run.dir=$RUN_DIR" mesh.distributed=true "${OVERRIDES[@]}")
   local envs=""
   [[ ${#TRAIN_ENV[@]} -eq 0 ]] || envs="env $(printf '%q ' "${TRAIN_ENV[@]}")"
   # shellcheck disable=SC2016  # expanded on the workers
-  printf 'cd "$HOME/%s" && %s"$HOME/%s/bin/cem-train" %s\necho $? > "$HOME/cem_launch/rc"\n' \
+  printf 'trap : TERM INT\ncd "$HOME/%s" && %s"$HOME/%s/bin/cem-train" %s\necho $? > "$HOME/cem_launch/rc"\n' \
     "$REMOTE_REPO" "$envs" "$REMOTE_VENV" "$(printf '%q ' "${args[@]}")"
 }
 
-# On every worker: mount the bucket, then start the trainer in the background (its output in
+# On every worker: mount the bucket (--gcsfuse), then start the trainer in the background (its output in
 # cem_launch/train.log, its exit status in cem_launch/rc), unless it is still running from an
 # earlier attempt (a lost ssh connection), in which case this attaches to it again.
 launch_command() {
   local cmd="set -eu; cd \"\$HOME\"
 "
-  if [[ -n $BUCKET ]]; then
+  if [[ $GCSFUSE == 1 ]]; then
     cmd+="if ! mountpoint -q $(printf %q "$MOUNT"); then
   sudo mkdir -p $(printf %q "$MOUNT") && sudo chown \"\$(id -u):\$(id -g)\" $(printf %q "$MOUNT")
   gcsfuse --implicit-dirs --rename-dir-limit=1000000 $(printf %q "$BUCKET") $(printf %q "$MOUNT")
@@ -387,7 +406,13 @@ while true; do
     say "giving up after $MAX_RESTARTS restarts (last status $rc, slice $state)"
     exit 1
   fi
+  delay=$RETRY_DELAY
+  if [[ $RUN_DIR == *://* ]] && ((delay < LOCK_LEASE)); then
+    # a trainer killed (SIGKILL, a lost host) left its lock object in run.dir: a new start
+    # before it lapses would be refused as a second writer (status 2)
+    delay=$LOCK_LEASE
+  fi
   say "run ended with status $rc, slice $state: restart $restarts of $MAX_RESTARTS" \
-      "in ${RETRY_DELAY}s (cem-train resumes from its last checkpoint)"
-  sleep "$RETRY_DELAY"
+      "in ${delay}s (cem-train resumes from its last checkpoint)"
+  sleep "$delay"
 done

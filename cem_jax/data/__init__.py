@@ -10,7 +10,8 @@ datasets and the batches of a step (DESIGN.md §4).
         ...
     load_tokens(cfg, tokenizer, "validation").stats.bits_per_byte(mean_loss_nats)
 
-Modules, from the bottom up: `config` (DataConfig), `files` (local paths and gs:// alike),
+Modules, from the bottom up: `config` (DataConfig), `storage_errors` (a failing object
+storage in one line), `files` (local paths and gs:// alike),
 `formats_common` (what the readers share: Document, UTF-8 decoding, the checks of a file's first
 bytes), `formats_text`, `formats_parquet`, `formats_arrayrecord` (a reader per family of
 formats), `formats` (a file's format, and its documents), `shakespeare` (the archive, held-out

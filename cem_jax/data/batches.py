@@ -25,6 +25,11 @@ Evaluation. `make_eval_batches` covers a split once (its first whole documents u
 `cfg.val_tokens` tokens, when set): rows of T targets back to back, the last row padded, whole
 padding rows added so that every process gets the same number of batches; the `weights` mask
 (1 for a real target) sums to `SplitStats.tokens` over all processes.
+
+Reading. A batch's rows are read together (`TokenStream.read_many`): from a bucket as
+concurrent range requests, a step in about one request's latency rather than one per row;
+grain's `cfg.num_threads` threads read that many steps at once, and `cfg.prefetch` batches
+are read ahead of the training loop. Neither changes which rows a step holds.
 """
 
 from __future__ import annotations
@@ -121,24 +126,22 @@ def _train_batch(step: int, *, windows: grain.MapDataset, stream: TokenStream,
                  batch_size: int, rows: int, offset: int, seq_len: int,
                  eos_id: int) -> dict[str, np.ndarray]:
     first = step * batch_size + offset  # its block of the rows of step `step` + 1
-    tokens = np.stack([stream.read(w * seq_len, w * seq_len + seq_len + 1)
-                       for w in (windows[first + j] for j in range(rows))])
+    starts = [windows[first + j] * seq_len for j in range(rows)]
+    tokens = np.stack(stream.read_many(starts, [s + seq_len + 1 for s in starts]))
     return packed_batch(tokens, eos_id)
 
 
 def _eval_batch(rows: np.ndarray, *, stream: TokenStream, seq_len: int, eos_id: int,
                 pad_id: int) -> dict[str, np.ndarray]:
     total = len(stream)
-    windows = []
-    for row in rows:
-        start = int(row) * seq_len
-        tokens = np.full(seq_len + 1, pad_id, np.int32)
-        got = stream.read(min(start, total), min(start + seq_len + 1, total))
-        tokens[:len(got)] = got
-        windows.append(tokens)
+    starts = [min(int(row) * seq_len, total) for row in rows]
+    windows = np.full((len(rows), seq_len + 1), pad_id, np.int32)
+    for window, got in zip(windows, stream.read_many(
+            starts, [min(s + seq_len + 1, total) for s in starts]), strict=True):
+        window[:len(got)] = got
     offsets = rows[:, None] * seq_len + np.arange(seq_len + 1)
     valid = offsets < total
-    batch = packed_batch(np.stack(windows), eos_id)
+    batch = packed_batch(windows, eos_id)
     weights = valid[:, 1:]
     batch["inputs"] = np.where(weights, batch["inputs"], pad_id)
     batch["segment_ids"] *= weights

@@ -15,6 +15,11 @@ default: all defaults), then `data.key=value` overrides. Every `DataConfig` fiel
 option (`--corpus data/*.txt`, `--cache-dir DIR`, ...), applied last. A run then names the
 dataset: `data.corpus=DIR` (it tokenizes nothing). A tokenizer to train without a
 `data.vocab_size` gets the config's `model.vocab_size`, as in `cem-train`.
+
+Exit status: 0 done; 1 bad input, a damaged dataset, or object storage that cannot be reached
+or fails (one line on stderr, no traceback: nothing was lost, run the same command again once
+it answers); 128 + the signal when SIGINT or SIGTERM stopped it (130, 143: `tokenize` keeps its
+finished units, and the same command resumes at the first unfinished one).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from tqdm import tqdm
 from cem_jax import exits
 from cem_jax.config import ModelConfig
 from cem_jax.config_files import load_section
-from cem_jax.data import shakespeare, shards
+from cem_jax.data import files, shakespeare, shards
 from cem_jax.data.batches import make_train_iterator
 from cem_jax.data.config import DataConfig, with_vocab_size
 from cem_jax.data.pipeline import (
@@ -43,13 +48,14 @@ from cem_jax.data.pipeline import (
     load_tokens,
     source_of,
 )
+from cem_jax.data.storage_errors import storage_error
 from cem_jax.data.tokenize import tokenize_dataset
 from cem_jax.data.tokenizer import Tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `cem-data`; returns the exit status (1 with a one-line message on bad input or a
-    damaged dataset)."""
+    """Run `cem-data`; returns the exit status (1 with a one-line message on bad input, a
+    damaged dataset or a storage failure; 128 + the signal when one stopped it)."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is not tokenize:
@@ -67,13 +73,17 @@ def _run(args: argparse.Namespace) -> int:
         if cfg.tokenizer is None and cfg.vocab_size is None:  # the model section's, as cem-train
             cfg = with_vocab_size(cfg, load_section(ModelConfig, "model", args.config).vocab_size)
         return args.command(cfg, args) or 0
-    except (ValueError, FileNotFoundError, shakespeare.FetchError) as err:
-        print(f"cem-data {args.command.__name__}: error: {err}", file=sys.stderr)
-        return 1
     except (KeyboardInterrupt, exits.StoppedBySignal):
         print(f"cem-data {args.command.__name__}: interrupted; finished units are kept, and "
               f"the same command resumes at the first unfinished one", file=sys.stderr)
         return 128 + (exits.received() or signal.SIGINT)
+    except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
+        said = storage_error(err)
+        if said is None and not isinstance(err, (ValueError, FileNotFoundError,
+                                                 shakespeare.FetchError)):
+            raise
+        print(f"cem-data {args.command.__name__}: error: {said or err}", file=sys.stderr)
+        return 1
 
 
 def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
@@ -130,9 +140,9 @@ def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
     print(f"dataset {root} ({seconds:.1f} s): train with data.corpus={root}")
 
 
-def _refuse_existing(paths: list[Path]) -> None:
+def _refuse_existing(paths: list[str | Path]) -> None:
     """ValueError naming the first of `paths` that exists (--save-tokenizer writes new files)."""
-    if taken := [p for p in paths if p.exists()]:
+    if taken := [p for p in paths if files.exists(str(p))]:
         raise ValueError(f"{taken[0]} exists (a run's tokenizer must match its checkpoints): "
                          f"choose a new --save-tokenizer path")
 

@@ -186,9 +186,10 @@ def write_unit_record(root: str, unit: int, record: dict[str, Any]) -> None:
 
 class TokenStream:
     """One split of a dataset as one token stream, EOS d1 EOS d2 ... EOS dn EOS, read by ranges
-    (`read`): local shards by `os.pread` of the range alone (a memory map would pull its
-    neighbourhood into the process's memory, megabytes per row read at random), shards on a
-    bucket by byte-range requests. Nothing is read at start; a shard is opened on first use
+    (`read`; many at once, `read_many`, as a step's rows are): local shards by `os.pread` of
+    the range alone (a memory map would pull its neighbourhood into the process's memory,
+    megabytes per row read at random), shards on a bucket by byte-range requests, those of one
+    `read_many` concurrently. Nothing is read at start; a shard is opened on first use
     (`OPEN_SHARDS` of them stay open). Safe to read from several threads.
 
     Raises DatasetError naming the shard when one is damaged: its size is not the manifest's
@@ -204,6 +205,7 @@ class TokenStream:
         self.eos_id = int(manifest.tokenizer["eos_id"])
         self.starts = np.cumsum([0] + [s.tokens for s in self.shards])
         self.total = int(self.starts[-1]) if limit is None else min(limit, int(self.starts[-1]))
+        self._remote = files.is_url(manifest.root)  # shards on a bucket, or local ones
         self._open: dict[int, int] = {}  # shard → file descriptor, oldest first
         self._lock = threading.Lock()
 
@@ -215,35 +217,57 @@ class TokenStream:
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream, int32 [stop - start]. Raises IndexError unless
         0 ≤ start ≤ stop ≤ len."""
-        if not 0 <= start <= stop <= len(self):
-            raise IndexError(f"tokens [{start}, {stop}) of a stream of {len(self)}")
-        out = np.empty(stop - start, np.int32)
-        total = self.total
-        if start <= total < stop:
-            out[total - start] = self.eos_id  # the final EOS
-        at = start
-        while at < min(stop, total):
-            i = int(np.searchsorted(self.starts, at, side="right")) - 1  # holds token `at`
-            lo, hi = int(self.starts[i]), min(stop, int(self.starts[i + 1]))
-            out[at - start:hi - start] = self._shard_tokens(i, at - lo, hi - lo)
-            at = hi
-        return out
+        return self.read_many([start], [stop])[0]
 
-    def _shard_tokens(self, i: int, lo: int, hi: int) -> np.ndarray:
-        shard, path, size = self.shards[i], self.path(i), self.dtype.itemsize
-        if files.is_url(path):
-            data = files.read_bytes(path, lo * size, hi * size)
-        else:
-            with self._lock:  # no other thread closes the descriptor meanwhile
-                data = os.pread(self._descriptor(i), (hi - lo) * size, lo * size)
+    def read_many(self, starts: list[int], stops: list[int]) -> list[np.ndarray]:
+        """Tokens [starts[k], stops[k]) of the stream for each k, int32 arrays, read together:
+        a range crossing shards is read from each, and the ranges in shards on a bucket go out
+        at once as concurrent requests (`files.read_ranges`: a step's rows cost about one
+        request's latency, not one each). Raises IndexError unless 0 ≤ start ≤ stop ≤ len for
+        each, ValueError when the lists differ in length."""
+        if len(starts) != len(stops):
+            raise ValueError(f"{len(starts)} starts and {len(stops)} stops")
+        total, outs = self.total, []
+        pieces: list[tuple[int, int, int, int, int]] = []  # (range, at in it, shard, lo, hi)
+        for k, (start, stop) in enumerate(zip(starts, stops, strict=True)):
+            start, stop = int(start), int(stop)
+            if not 0 <= start <= stop <= len(self):
+                raise IndexError(f"tokens [{start}, {stop}) of a stream of {len(self)}")
+            out = np.empty(stop - start, np.int32)
+            if start <= total < stop:
+                out[total - start] = self.eos_id  # the final EOS
+            at = start
+            while at < min(stop, total):
+                i = int(np.searchsorted(self.starts, at, side="right")) - 1  # holds token `at`
+                lo, hi = int(self.starts[i]), min(stop, int(self.starts[i + 1]))
+                pieces.append((k, at - start, i, at - lo, hi - lo))
+                at = hi
+            outs.append(out)
+        for (k, at, i, lo, hi), data in zip(pieces, self._read_pieces(pieces), strict=True):
+            outs[k][at:at + hi - lo] = self._checked(i, lo, hi, data)
+        return outs
+
+    def _read_pieces(self, pieces: list[tuple[int, int, int, int, int]]) -> list[bytes]:
+        """The bytes of tokens [lo, hi) of shard i of each piece (_, _, i, lo, hi)."""
+        size = self.dtype.itemsize
+        if self._remote:
+            return files.read_ranges([self.path(i) for _, _, i, _, _ in pieces],
+                                     [lo * size for _, _, _, lo, _ in pieces],
+                                     [hi * size for _, _, _, _, hi in pieces])
+        with self._lock:  # no other thread closes a descriptor meanwhile
+            return [os.pread(self._descriptor(i), (hi - lo) * size, lo * size)
+                    for _, _, i, lo, hi in pieces]
+
+    def _checked(self, i: int, lo: int, hi: int, data: bytes) -> np.ndarray:
+        """Tokens [lo, hi) of shard `i`, read as `data`, checked (size and ids)."""
         tokens = np.frombuffer(data, self.dtype)
         if len(tokens) != hi - lo:
-            raise DatasetError(f"shard {path} is damaged: it ends before token {hi} of the "
-                               f"{shard.tokens} the manifest gives; {self._fix}")
+            raise DatasetError(f"shard {self.path(i)} is damaged: it ends before token {hi} of "
+                               f"the {self.shards[i].tokens} the manifest gives; {self._fix}")
         if len(tokens) and int(tokens.max()) >= self.vocab_size:
-            raise DatasetError(f"shard {path} is damaged: it holds token id {int(tokens.max())} "
-                               f"(near token {lo + int(tokens.argmax())}), past the vocabulary "
-                               f"of {self.vocab_size}; {self._fix}")
+            raise DatasetError(f"shard {self.path(i)} is damaged: it holds token id "
+                               f"{int(tokens.max())} (near token {lo + int(tokens.argmax())}), "
+                               f"past the vocabulary of {self.vocab_size}; {self._fix}")
         return tokens
 
     def _descriptor(self, i: int) -> int:

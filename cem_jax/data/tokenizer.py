@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import abc
 import math
+import posixpath
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from cem_jax.fileio import atomic_file
+from cem_jax.data import files
 
 # The file a run directory (or a Hugging Face model directory) holds its tokenizer in, by kind,
 # in the order `find_tokenizer` looks for them.
@@ -90,20 +91,22 @@ class Tokenizer(abc.ABC):
         tokenizer.json the tokenizer_config.json of its special tokens."""
         return {self.file_name: self.data}
 
-    def saved_paths(self, path: str | Path) -> list[Path]:
+    def saved_paths(self, path: str | Path) -> list[str]:
         """Where `save(path)` writes `files()`, in their order: `path`, and the others beside
         it under their names."""
-        path = Path(path)
-        return [path if name == self.file_name else path.with_name(name) for name in self.files()]
+        path = files.local(str(path))
+        beside = posixpath.dirname(path) if files.is_url(path) else str(Path(path).parent)
+        return [path if name == self.file_name else files.join(beside, name)
+                for name in self.files()]
 
-    def save(self, path: str | Path) -> Path:
-        """Write `data` to `path` (e.g. `run_dir / tokenizer.file_name`) and the other
-        `files()` beside it, each atomically; `load_tokenizer(path)` gives back this tokenizer
-        (same ids, same sha256). Returns `path`."""
+    def save(self, path: str | Path) -> Path | str:
+        """Write `data` to `path` (e.g. `files.join(run_dir, tokenizer.file_name)`, local or a
+        URL) and the other `files()` beside it, each whole (`files.write_bytes`);
+        `load_tokenizer(path)` gives back this tokenizer (same ids, same sha256). Returns
+        `path`: a Path when local, the URL as given otherwise."""
         for target, content in zip(self.saved_paths(path), self.files().values(), strict=True):
-            with atomic_file(target) as f:
-                f.write(content)
-        return Path(path)
+            files.write_bytes(target, content)
+        return str(path) if files.is_url(str(path)) else Path(files.local(str(path)))
 
 
 def check_fits(tokenizer: Tokenizer, model_vocab_size: int, source: str) -> None:
@@ -118,15 +121,16 @@ def check_fits(tokenizer: Tokenizer, model_vocab_size: int, source: str) -> None
                          f"ids")
 
 
-def find_tokenizer(directory: str | Path) -> Path:
-    """The tokenizer file of `directory` (a run directory, or a Hugging Face model directory):
-    its tokenizer.model, else its tokenizer.json. Raises FileNotFoundError when it has
-    neither, or is no directory."""
-    if not Path(directory).is_dir():
+def find_tokenizer(directory: str | Path) -> str:
+    """The path of the tokenizer file of `directory` (a run directory, or a Hugging Face model
+    directory; local or a URL): its tokenizer.model, else its tokenizer.json. Raises
+    FileNotFoundError when it has neither, or is no directory."""
+    directory = files.local(str(directory))
+    if not files.is_dir(directory):
         raise FileNotFoundError(f"{directory} is not a directory")
     for name in FILE_NAMES.values():
-        if (Path(directory) / name).is_file():
-            return Path(directory) / name
+        if files.is_file(files.join(directory, name)):
+            return files.join(directory, name)
     raise FileNotFoundError(f"{directory} has no tokenizer file ({' or '.join(FILE_NAMES.values())}"
                             f"): it needs the tokenizer its model was trained with")
 

@@ -4,13 +4,15 @@
     cem-import --hf llama_dir --out runs/llama-ft [--config base.yaml] [section.key=value ...]
 
 Exit status: 0 written; 1 the input cannot be read, the format cannot express the model (the
-message names the feature) or --out may not be written (`output.check_destination`); 2 bad
+message names the feature), --out may not be written (`output.check_destination`) or object
+storage is unreachable or failing (one line, `cem_jax.data.storage_errors.storage_error`); 2 bad
 arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -33,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from cem_jax.checkpoint import CheckpointError
     from cem_jax.data import find_tokenizer
+    from cem_jax.data.storage_errors import storage_error
     from cem_jax.export import hf, hf_llama, safetensors_io
     from cem_jax.export.output import ExportError, check_destination
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
@@ -44,12 +47,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     write, files = writers[args.format]
     try:
         check_destination(args.out, args.overwrite, args.run,  # before the slow restore
-                          files(find_tokenizer(args.run).name))
+                          files(os.path.basename(find_tokenizer(args.run))))
         run = load_run(args.run, args.step)
         out = write(run.params, run.config.model, run.tokenizer, args.out, args.overwrite)
-    except (ExportError, CheckpointError, FileNotFoundError, FileExistsError,
-            ValueError) as err:
-        print(f"cem-export: error: {err}", file=sys.stderr)
+    except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
+        said = storage_error(err)
+        if said is None and not isinstance(err, (ExportError, CheckpointError,
+                                                 FileNotFoundError, FileExistsError,
+                                                 ValueError)):
+            raise
+        print(f"cem-export: error: {said or err}", file=sys.stderr)
         return 1
     print(f"wrote {args.format} export of {run.directory} step {run.step} to {out}")
     return 0
@@ -72,7 +79,8 @@ def import_main(argv: Sequence[str] | None = None) -> int:
     from cem_jax.export.output import ExportError, check_destination
 
     try:
-        check_destination(args.out, args.overwrite, args.hf, files(find_tokenizer(args.hf).name))
+        tokenizer_name = os.path.basename(find_tokenizer(args.hf))
+        check_destination(args.out, args.overwrite, args.hf, files(tokenizer_name))
         out = import_llama(args.hf, args.out, args.config, args.overrides, args.overwrite)
     except (ExportError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"cem-import: error: {err}", file=sys.stderr)

@@ -65,7 +65,7 @@ class Study:
 
     path: Path
     records: Path
-    runs_dir: Path
+    runs_dir: str  # a local folder or a bucket's URL
     report: Path
     margin: float
     alpha: float
@@ -221,7 +221,7 @@ def load_study(path: str | Path) -> Study:
             raise ValueError(f"{path}: sizes.scales.{size} is {overrides!r}, not a list of "
                              "overrides (key=value strings)") from None
     study = Study(
-        path=path, records=Path(get("records")), runs_dir=Path(get("runs_dir")),
+        path=path, records=Path(get("records")), runs_dir=str(get("runs_dir")),
         report=Path(get("report")), margin=get("margin", _number, *positive),
         alpha=get("alpha", _number, *fraction), power=get("power", _number, *fraction),
         planning_sd=get("planning_sd", _number, *positive),

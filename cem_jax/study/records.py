@@ -36,7 +36,7 @@ from flax import nnx
 
 from cem_jax.compare_report import param_counts, step_flops
 from cem_jax.compare_runs import RunSpec, read_metrics, train_one
-from cem_jax.data import make_eval_batches
+from cem_jax.data import files, make_eval_batches
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run
 from cem_jax.exits import ExitStatus
 from cem_jax.fileio import atomic_file
@@ -102,7 +102,7 @@ def run_spec(study: Study, key: RunKey) -> RunSpec:
     eval_every = study.sweep_eval_every if key.steps == study.sweep_steps else study.eval_every
     overrides = [*study.overrides, *config.overrides, f"optimizer.lr={key.lr}"]
     return RunSpec.make(key.name, config.file, key.steps, key.seed, eval_every,
-                        study.runs_dir / f"lr{rate_text(key.lr)}", overrides)
+                        files.join(study.runs_dir, f"lr{rate_text(key.lr)}"), overrides)
 
 
 def train_and_record(study: Study, key: RunKey) -> tuple[dict | None, dict]:
@@ -121,7 +121,7 @@ def train_and_record(study: Study, key: RunKey) -> tuple[dict | None, dict]:
 
 
 def _record(study: Study, key: RunKey, spec: RunSpec, row: dict) -> dict:
-    cfg, run_dir = spec.cfg, Path(row["dir"])
+    cfg, run_dir = spec.cfg, row["dir"]
     config = study.all_configs()[key.name]
     train = {r["step"]: r for r in logged_records(run_dir) if r["kind"] == "train"}
     rec = {"name": key.name, "lr": key.lr, "steps": key.steps, "seed": key.seed,

@@ -8,8 +8,9 @@
 The command reads the config, then trains (`cem_jax.train.run.train`: what a run directory
 holds, resuming, signals, divergence) or dry-runs (`cem_jax.train.dry_run`). It ends with one of
 the exit statuses of `cem_jax.exits.ExitStatus`, after one line saying why unless it finished (a
-crash: its traceback, then the line): 0 finished, 1 crashed (retry), 2 cannot run as configured,
-3 diverged, 75 stopped by SIGTERM or SIGINT before its last step (relaunch to resume).
+crash: its traceback, then the line; object storage unreachable or failing: the line alone): 0
+finished, 1 crashed (retry), 2 cannot run as configured, 3 diverged, 75 stopped by SIGTERM or
+SIGINT before its last step (relaunch to resume).
 Messages go through `logging` (the "cem_jax" loggers; `cem-train` prints them on stdout, from
 process 0 only, warnings from every process, prefixed with the process index in multi-host
 runs).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import posixpath
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +29,9 @@ import jax
 
 from cem_jax import exits
 from cem_jax.checkpoint import CheckpointError, complete_steps
+from cem_jax.data import files
 from cem_jax.data.shakespeare import FetchError
+from cem_jax.data.storage_errors import storage_error
 from cem_jax.data.tokenizer import FILE_NAMES
 from cem_jax.exits import ExitStatus, StoppedBySignal
 from cem_jax.memory import is_out_of_memory
@@ -74,7 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_config_location(args.config, args.overrides, cfg)
-    except (ValueError, FileNotFoundError) as err:
+    except Exception as err:  # a config on a bucket: a storage failure first
+        if (said := storage_error(err)) is not None:
+            return exits.report(ExitStatus.CRASHED, said)
+        if not isinstance(err, (ValueError, FileNotFoundError)):
+            raise
         return exits.report(ExitStatus.CANNOT_RUN, f"configuration error: {err}")
     with exits.caught("cem-train"):
         try:
@@ -88,17 +96,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                      else "before the first step; nothing was trained")
             return exits.report(ExitStatus.STOPPED, str(stop if stop.where else stop.at(where)))
         except Exception as err:  # every ending is one of the documented statuses
-            return _failed(err, Path(cfg.run.dir))
+            return _failed(err, cfg.run.dir)
     return ExitStatus.FINISHED
 
 
-def _failed(err: Exception, run_dir: Path) -> int:
-    """Print cem-train's last line for the error that ended it (a crash: its traceback first);
-    returns the exit status (`ExitStatus`)."""
+def _failed(err: Exception, run_dir: str) -> int:
+    """Print cem-train's last line for the error that ended it (a crash: its traceback first,
+    except a storage failure, `storage_error`: that line alone); returns the exit status
+    (`ExitStatus`)."""
     if isinstance(err, TrainingDiverged):
         return exits.report(ExitStatus.DIVERGED, f"diverged: {err}")
     if isinstance(err, OSError) and err.errno in _DISK_FULL_ADVICE:
-        steps = complete_steps(run_dir / "checkpoints")
+        steps = complete_steps(files.join(run_dir, "checkpoints"))
         kept = (f"the newest checkpoint, step {steps[-1]}, is kept" if steps
                 else "no checkpoint was written yet")
         return exits.report(ExitStatus.CANNOT_RUN, f"error: cannot write {err.filename}: "
@@ -109,6 +118,8 @@ def _failed(err: Exception, run_dir: Path) -> int:
             f"({str(err).splitlines()[0]}); lower data.batch_size or data.seq_len, raise "
             f"optimizer.accumulation_steps or set model.remat=full (`cem-train --dry-run` "
             f"estimates the activations). Checkpoints already written are kept.")
+    if (said := storage_error(err)) is not None:  # TensorStore's are ValueErrors
+        return exits.report(ExitStatus.CRASHED, said)  # one line: the storage may come back
     if isinstance(err, (RunDirInUse, CheckpointError, FetchError, ValueError)) or (
             isinstance(err, OSError) and err.errno in _CANNOT_RUN_ERRNOS):
         return exits.report(ExitStatus.CANNOT_RUN, f"error: {err}")
@@ -124,13 +135,15 @@ def check_config_location(config: str | None, overrides: Sequence[str],
     run was moved or copied) and no `run.dir=` override says which one is meant."""
     if config is None or any(o.startswith("run.dir=") for o in overrides):
         return
-    path = Path(config)
-    home = path.parent
-    if path.name != "config.yaml" or not any(
-            (home / name).exists() for name in ("checkpoints", *FILE_NAMES.values(),
-                                                "metrics.jsonl")):
+    path = files.local(config)
+    home = path.rsplit("/", 1)[0] if files.is_url(path) else str(Path(path).parent)
+    if posixpath.basename(path) != "config.yaml" or not any(
+            files.exists(files.join(home, name)) for name in ("checkpoints", *FILE_NAMES.values(),
+                                                               "metrics.jsonl")):
         return
-    if Path(cfg.run.dir).resolve() != home.resolve():
+    same = cfg.run.dir.rstrip("/") == home.rstrip("/") if files.is_url(home) else \
+        Path(cfg.run.dir).resolve() == Path(home).resolve()
+    if not same:
         raise ValueError(f"{path} is the config of the run directory {home}, but it names "
                          f"run.dir {cfg.run.dir} (was the run moved or copied?): add "
                          f"run.dir={home} to train the run in {home}, or run.dir={cfg.run.dir} "

@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from cem_jax import exits
+from cem_jax.data import files
 from cem_jax.evaluate import describe
 from cem_jax.exits import StoppedBySignal
 from cem_jax.train.loop import StepInfo
@@ -175,9 +178,10 @@ class Profile:
     run.profile_steps - 1` (a state hook, every step, added after the others), in
     `run.dir`/tensorboard, where TensorBoard's profile tab (with xprof) shows it beside the
     scalars: `plugins/profile/<time>/<host>.xplane.pb`, `<host>.trace.json.gz` and
-    `perfetto_trace.json.gz` (for ui.perfetto.dev). The loop marks each step in it
-    (`StepTraceAnnotation` "train", `step_num`). Traced on process 0, or on every process with
-    `run.profile_all_processes`; nothing without `run.profile_start`.
+    `perfetto_trace.json.gz` (for ui.perfetto.dev); a run directory on a bucket gets the
+    trace written to a local temporary folder first and uploaded when it stops. The loop marks
+    each step in it (`StepTraceAnnotation` "train", `step_num`). Traced on process 0, or on
+    every process with `run.profile_all_processes`; nothing without `run.profile_start`.
 
     The trace starts just before its first step is dispatched: in this hook at the step before,
     or here, at once, when that is the loop's first step (`first_step + 1`); steps up to
@@ -188,7 +192,9 @@ class Profile:
     a trace still running (the loop stopped or raised inside the window)."""
 
     def __init__(self, run: RunConfig, first_step: int):
-        self.log_dir = Path(run.dir) / "tensorboard"
+        self.upload_to = files.join(run.dir, "tensorboard") if files.is_url(run.dir) else None
+        self.log_dir = Path(tempfile.mkdtemp(prefix="cem_jax-profile-")) if self.upload_to \
+            else Path(run.dir) / "tensorboard"
         start = run.profile_start or 0
         self.first = max(start, first_step + 1)
         self.last = min(start + run.profile_steps - 1, run.steps)
@@ -220,6 +226,12 @@ class Profile:
             return
         jax.profiler.stop_trace()
         newest = max((self.log_dir / "plugins" / "profile").iterdir(), key=os.path.getmtime)
+        if self.upload_to is not None:
+            for path in sorted(p for p in newest.rglob("*") if p.is_file()):
+                files.write_bytes(files.join(self.upload_to, *path.relative_to(
+                    self.log_dir).parts), path.read_bytes())
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            newest = files.join(self.upload_to, *newest.relative_to(self.log_dir).parts)
         logger.info("profile of steps %d-%d: %s", self.first, max(self.first, self.traced_to),
                     newest)
         self.traced_to = None

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import secrets
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +34,8 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 
 from cem_jax.config import ModelConfig
-from cem_jax.fileio import atomic_file
+from cem_jax.data import files
+from cem_jax.data.storage_errors import storage_error
 from cem_jax.kinds import kind_flops, model_kinds
 from cem_jax.train_config import TrainConfig
 
@@ -110,6 +114,13 @@ class MetricsWriter:
     logged every step it covers. The event file is created at the first record (a process
     that logs nothing leaves none).
 
+    On a bucket (`run_dir` a URL), which has no append: metrics.jsonl is rewritten whole at
+    each `flush` (its lines are kept in memory), and the event file is written to a local
+    temporary folder and uploaded whole at each `flush` (tensorboardX's own gs:// writer
+    uploads the file again at every record). Each upload replaces the object at once, so a
+    preemption loses at most the records since the last flush: those of steps after the last
+    checkpoint, which the resumed run trains and logs again.
+
     A run resumed from step N (`resume_step`; 0 for a new run) trains steps N+1, ... (again):
     the records of those steps that a killed process had logged are dropped from
     metrics.jsonl (rewritten atomically), and the new event file opens with TensorBoard's
@@ -117,21 +128,28 @@ class MetricsWriter:
     writes; TensorBoard applies it to the older files), so each step is shown once. W&B keeps
     them (see `open_wandb_run`)."""
 
-    def __init__(self, run_dir: Path, resume_step: int = 0, config: TrainConfig | None = None):
+    def __init__(self, run_dir: str | Path, resume_step: int = 0,
+                 config: TrainConfig | None = None):
         self.active = jax.process_index() == 0
-        self.tensorboard, self.resume_step = Path(run_dir) / "tensorboard", resume_step
+        run_dir = str(run_dir)
+        self.remote = files.is_url(run_dir)
+        self.tensorboard, self.resume_step = files.join(run_dir, "tensorboard"), resume_step
         self.events: EventsWriter | None = None
+        self.local_events: str | None = None  # on a bucket: the local folder of the event file
         self.wandb = None  # the W&B run
         if self.active:
             if config is not None and config.run.wandb_project is not None:
-                self.wandb = open_wandb_run(config, Path(run_dir), resume_step)
-            path = Path(run_dir) / "metrics.jsonl"
-            lines = path.read_bytes().splitlines(keepends=True) if path.is_file() else []
-            kept = [line for line in lines if _logged_by(line, resume_step)]
-            if kept != lines:
-                with atomic_file(path) as f:
-                    f.writelines(kept)
-            self.jsonl = open(path, "a")  # noqa: SIM115
+                self.wandb = open_wandb_run(config, run_dir, resume_step)
+            self.path = files.join(run_dir, "metrics.jsonl")
+            lines = files.read_bytes(self.path).splitlines(keepends=True) \
+                if files.is_file(self.path) else []
+            self.lines = [line for line in lines if _logged_by(line, resume_step)]
+            if self.lines != lines:
+                files.write_bytes(self.path, b"".join(self.lines))
+            self.unflushed = False
+            self.upload_failed = False  # on a bucket: an upload of `flush` failed
+            if not self.remote:
+                self.jsonl = open(self.path, "ab")  # noqa: SIM115
 
     def write(self, step: int, kind: str, values: dict[str, float]) -> None:
         """One record {"step", "kind" ("train"/"eval"), "time", **values}; TensorBoard tags
@@ -140,14 +158,15 @@ class MetricsWriter:
             return
         record = {"step": step, "kind": kind, "time": time.time(),
                   **{k: float(v) for k, v in values.items()}}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        line = (json.dumps(record) + "\n").encode()
+        if self.remote:
+            self.lines.append(line)
+            self.unflushed = True
+        else:
+            self.jsonl.write(line)
+            self.jsonl.flush()
         if self.events is None:
-            self.tensorboard.mkdir(exist_ok=True)
-            # Its name: "events.out.tfevents.<s>.<host>.<ns>", in creation order within a second.
-            self.events = EventsWriter(str(self.tensorboard / "events"), f".{time.time_ns()}")
-            self.events.write_event(Event(step=self.resume_step + 1, session_log=SessionLog(
-                status=SessionLog.START)))
+            self._open_events()
         tagged = {f"{kind}/{name}": float(value) for name, value in values.items()}
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)
                                  for tag, value in tagged.items()])
@@ -155,37 +174,78 @@ class MetricsWriter:
         if self.wandb is not None:
             self.wandb.log(tagged, step=step)
 
+    def _open_events(self) -> None:
+        # Its name: "events.out.tfevents.<s>.<host>.<ns>", in creation order within a second.
+        if self.remote:
+            self.local_events = tempfile.mkdtemp(prefix="cem_jax-tensorboard-")
+        folder = self.local_events or self.tensorboard
+        files.make_dirs(folder)
+        self.events = EventsWriter(os.path.join(folder, "events"), f".{time.time_ns()}")
+        self.events.write_event(Event(step=self.resume_step + 1, session_log=SessionLog(
+            status=SessionLog.START)))
+
     def flush(self) -> None:
         """Hand every record written so far to the operating system (it outlives the process,
-        SIGKILL included)."""
-        if self.active:
+        SIGKILL included), or on a bucket upload both files whole."""
+        if not self.active:
+            return
+        if self.events is not None:
+            self.events.flush()
+        if not self.remote:
             self.jsonl.flush()
-            if self.events is not None:
-                self.events.flush()
+        elif self.unflushed:
+            try:
+                files.write_bytes(self.path, b"".join(self.lines))
+                for name in os.listdir(self.local_events) if self.local_events else []:
+                    with open(os.path.join(self.local_events, name), "rb") as f:
+                        files.write_bytes(files.join(self.tensorboard, name), f.read())
+            except Exception:  # a stop (KeyboardInterrupt) is no failure: close uploads
+                self.upload_failed = True
+                raise
+            self.unflushed = False
 
-    def close(self, failed: bool = False) -> None:
-        """Flush and close the files; finish the W&B run (exit code 1 if `failed`, 0 if not)."""
-        if self.active:
-            self.jsonl.close()
+    def close(self, failed: bool = False, upload: bool = True) -> None:
+        """Flush and close the files; finish the W&B run (exit code 1 if `failed`, 0 if not).
+        On a bucket, the last upload is skipped when a `flush`'s upload failed or `upload` is
+        False (leaving on a storage failure): another try would wait out gcsfs's retries again
+        (~35 s or more) before the process can end, and what it would add is the records of
+        steps after the newest checkpoint, which the resumed run logs again."""
+        if not self.active:
+            return
+        try:
+            if self.remote and (self.upload_failed or not upload):
+                if self.events is not None:
+                    self.events.flush()
+            else:
+                self.flush()
+        finally:
+            if not self.remote:
+                self.jsonl.close()
             if self.events is not None:
                 self.events.close()
+            if self.local_events is not None:
+                shutil.rmtree(self.local_events, ignore_errors=True)
             if self.wandb is not None:
                 self.wandb.finish(exit_code=int(failed))
 
     def __enter__(self) -> MetricsWriter:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
-        self.close(failed=kind is not None)
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 *_: Any) -> None:
+        self.close(failed=kind is not None,
+                   upload=error is None or storage_error(error) is None)
 
 
-def open_wandb_run(config: TrainConfig, run_dir: Path, resume_step: int) -> Any:
+def open_wandb_run(config: TrainConfig, run_dir: str, resume_step: int) -> Any:
     """The Weights & Biases run (`wandb.init`'s `wandb.Run`) of `run_dir`, which `MetricsWriter`
     logs to on process 0: project `run.wandb_project`, entity `run.wandb_entity`, mode
     `run.wandb_mode` (offline: `wandb sync run_dir/wandb/offline-run-*`), its files in
-    `run_dir/wandb`, named as the run directory, the config `config.to_dict()` (as config.yaml
-    holds it). Raises ValueError when wandb is not installed, or when W&B refuses the login
-    (no or a bad API key); a network that W&B cannot reach is its CommError (a crash: retried).
+    `run_dir/wandb` (a run directory on a bucket: in `wandb_files_dir`, a local folder, since
+    W&B writes its files locally), named as the run directory, the config `config.to_dict()`
+    (as config.yaml holds it). Raises ValueError when wandb is not installed, or when W&B
+    refuses the login (no or a bad API key); a network that W&B cannot reach is its CommError
+    (a crash: retried).
 
     Its id is kept in `run_dir/wandb_run_id`: a run resumed from a checkpoint (`resume_step` >
     0) continues the W&B run of that id (`resume="allow"`); a new run, or one started over from
@@ -199,32 +259,43 @@ def open_wandb_run(config: TrainConfig, run_dir: Path, resume_step: int) -> Any:
     except ImportError:
         raise ValueError(f"run.wandb_project = {config.run.wandb_project!r} needs wandb: pip "
                          "install 'cem_jax[wandb]' (or set run.wandb_project=null)") from None
-    id_file = run_dir / "wandb_run_id"
-    if resume_step and id_file.is_file():
-        run_id = id_file.read_text().strip()
+    id_file = files.join(run_dir, "wandb_run_id")
+    if resume_step and files.is_file(id_file):
+        run_id = files.read_text(id_file).strip()
     else:
         run_id = secrets.token_hex(8)
-        with atomic_file(id_file) as f:
-            f.write(run_id.encode())
+        files.write_text(id_file, run_id)
+    name = run_dir.rstrip("/").rsplit("/", 1)[-1] if files.is_url(run_dir) else \
+        Path(run_dir).resolve().name
     try:
         return wandb.init(project=config.run.wandb_project, entity=config.run.wandb_entity,
-                          mode=config.run.wandb_mode, dir=run_dir, id=run_id,
-                          name=run_dir.resolve().name, resume="allow", config=config.to_dict())
+                          mode=config.run.wandb_mode, dir=Path(wandb_files_dir(run_dir)), id=run_id,
+                          name=name, resume="allow", config=config.to_dict())
     except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as err:
         raise ValueError(f"W&B cannot start (run.wandb_mode = {config.run.wandb_mode!r}): "
                          f"{str(err).rstrip('.')}; log in (wandb login, or WANDB_API_KEY), or "
                          f"set run.wandb_mode=offline") from None
 
 
-def logged_records(run_dir: Path) -> list[dict]:
+def wandb_files_dir(run_dir: str) -> str:
+    """Where W&B keeps its files for `run_dir`: the run directory itself, or for one on a
+    bucket `$TMPDIR/cem_jax-wandb/<bucket>/<path>` on this machine."""
+    if not files.is_url(run_dir):
+        return run_dir
+    folder = os.path.join(tempfile.gettempdir(), "cem_jax-wandb", run_dir.split("://", 1)[1])
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def logged_records(run_dir: str | Path) -> list[dict]:
     """The whole records of `run_dir/metrics.jsonl` in order ([] without the file; a kill can
     tear the last line, which is left out)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    lines = path.read_bytes().splitlines() if path.is_file() else []
+    path = files.join(str(run_dir), "metrics.jsonl")
+    lines = files.read_bytes(path).splitlines() if files.is_file(path) else []
     return [json.loads(line) for line in lines if _logged_by(line, math.inf)]
 
 
-def logged_values(run_dir: Path, step: int, kind: str) -> dict[str, float] | None:
+def logged_values(run_dir: str | Path, step: int, kind: str) -> dict[str, float] | None:
     """The values of the last whole `kind` ("train"/"eval") record of `step` in
     `run_dir/metrics.jsonl` (without "step", "kind", "time"), or None if it holds none."""
     found = [r for r in logged_records(run_dir) if r["step"] == step and r.get("kind") == kind]

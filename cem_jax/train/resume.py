@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 
 import jax
 
 from cem_jax import exits
 from cem_jax.config import NOT_IN_MATH
-from cem_jax.data import Tokenizer, build_tokenizer, load_tokenizer
+from cem_jax.data import Tokenizer, build_tokenizer, files, load_tokenizer
 from cem_jax.data.config import token_stream_fields
 from cem_jax.data.tokenizer import find_tokenizer
 from cem_jax.rundir import Run, load_run
@@ -22,7 +21,7 @@ from cem_jax.train_config import TrainConfig, load_config
 logger = logging.getLogger(__name__)
 
 
-def check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
+def check_resumed_config(cfg: TrainConfig, run_dir: str, resume_step: int,
                           report: bool = True) -> TrainConfig:
     """A resumed run keeps the model and data config of its config.yaml (model fields that only
     choose how the same function is computed aside, `cem_jax.config.NOT_IN_MATH`, and data
@@ -38,7 +37,7 @@ def check_resumed_config(cfg: TrainConfig, run_dir: Path, resume_step: int,
         raise ValueError(f"run.steps = {cfg.run.steps} but the run in {run_dir} has taken "
                          f"{resume_step} steps already; give run.steps >= {resume_step}, or "
                          "another run.dir")
-    saved_cfg = load_config(run_dir / "config.yaml")
+    saved_cfg = load_config(files.join(run_dir, "config.yaml"))
     saved, given = saved_cfg.to_dict(), cfg.to_dict()
 
     def diff(section, keys=None):
@@ -77,11 +76,11 @@ def init_source(cfg: TrainConfig) -> Run:
     if changed:
         raise ValueError(f"run.init_from {source.directory} holds a model with a different "
                          f"model section (its, given): {changed}; give the model section of "
-                         f"{source.directory / 'config.yaml'}")
+                         f"{files.join(source.directory, 'config.yaml')}")
     return source
 
 
-def finished_result(cfg: TrainConfig, run_dir: Path,
+def finished_result(cfg: TrainConfig, run_dir: str,
                      resume_step: int | None) -> dict[str, float] | None:
     """A run started again after its last step: the final validation it logged ({} without a
     validation split). None while it has steps to take, or when its final evaluation was never
@@ -91,7 +90,7 @@ def finished_result(cfg: TrainConfig, run_dir: Path,
     return logged_values(run_dir, resume_step, "eval") if cfg.data.has_validation else {}
 
 
-def run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool,
+def run_tokenizer(cfg: TrainConfig, run_dir: str, resumed: bool,
                    source: Run | None = None) -> Tokenizer:
     """A resumed run's own tokenizer (its tokenizer.model or tokenizer.json); a new run's
     tokenizer from the data config, or the tokenizer of the run it starts from (`source`, where
@@ -110,7 +109,7 @@ def run_tokenizer(cfg: TrainConfig, run_dir: Path, resumed: bool,
                              f"run.init_from {source.directory} (SHA-256 differs): leave "
                              f"data.tokenizer null to use that run's")
     if jax.process_index() == 0:
-        tokenizer.save(run_dir / tokenizer.file_name)
+        tokenizer.save(files.join(run_dir, tokenizer.file_name))
     return tokenizer
 
 
@@ -119,4 +118,4 @@ def validation_missing(cfg: TrainConfig, step: int) -> bool:
     stopped at that step, or during its validation, saves the step but not the validation)."""
     return (cfg.data.has_validation and 0 < step < cfg.run.steps
             and step % cfg.run.eval_every == 0
-            and logged_values(Path(cfg.run.dir), step, "eval") is None)
+            and logged_values(cfg.run.dir, step, "eval") is None)

@@ -1,7 +1,8 @@
 """Train (or resume) a run: `train(cfg)`, the body of `cem-train` (`cem_jax.train.command`).
 
-A run directory holds config.yaml (resolved), its tokenizer (tokenizer.model, or tokenizer.json
-and tokenizer_config.json), metrics.jsonl, tensorboard/ and checkpoints/. Starting in one that
+A run directory (local, or a bucket's URL: `gs://...`) holds config.yaml (resolved), its
+tokenizer (tokenizer.model, or tokenizer.json and tokenizer_config.json), metrics.jsonl,
+tensorboard/ and checkpoints/. Starting in one that
 has a checkpoint resumes from the latest (same model and data sections required); in a finished
 one, it reports the validation the run logged and trains, evaluates and logs nothing. A signal
 stops it at a safe point: during start-up with nothing written (a run directory it created is
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -41,11 +41,13 @@ from cem_jax.compilation_cache import use_compilation_cache
 from cem_jax.data import (
     DataConfig,
     Tokenizer,
+    files,
     load_tokens,
     make_train_iterator,
 )
 from cem_jax.data.distributed import check_same
 from cem_jax.data.pipeline import no_validation
+from cem_jax.data.storage_errors import storage_error
 from cem_jax.evaluate import describe, evaluate
 from cem_jax.exits import StoppedBySignal
 from cem_jax.export.output import unmark_output
@@ -89,7 +91,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     split over the mesh, and (`cem_jax.memory.DoesNotFit`) when a train step cannot fit in the
     device's memory: all checked before anything is written. A run directory this call created
     is removed again when it raises before the directory holds anything of value (a checkpoint
-    or a logged step); with several processes, by the one that created it."""
+    or a logged step); with several processes, by the one that created it; on a bucket that
+    cannot be reached (a storage failure), not (it would wait out gcsfs's retries again)."""
     if cfg.expected_params is not None:
         check_expected_params(cfg)
     cache = use_compilation_cache(cfg)  # before anything compiles
@@ -106,14 +109,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     lead = jax.process_index() == 0
     mesh = make_mesh(cfg.mesh)
     check_fits_in_memory(cfg, mesh)  # as the next check, before anything is written
-    run_dir = Path(cfg.run.dir)
+    run_dir = cfg.run.dir
     checkpoint_directory(run_dir)  # a path orbax cannot restore from
-    if run_dir.exists() and not run_dir.is_dir():
+    if files.is_file(run_dir):
         raise ValueError(f"run.dir {run_dir} is a file, not a directory; give another run.dir")
     exits.check()  # a signal while JAX was imported or initialized: stop before writing
-    created = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # removed if worthless
+    created = _to_create(run_dir)  # removed if worthless
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        files.make_dirs(run_dir)
     except OSError as err:
         raise OSError(f"cannot create run.dir {run_dir} ({err.strerror}: {err.filename}); give "
                       f"a run.dir in a writable place") from None
@@ -121,35 +124,47 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         with run_dir_lock(run_dir, lead):
             return _train(cfg, run_dir, mesh, lead)
     except BaseException as err:
-        _remove_if_worthless(created)  # by the process that made it: any, with several
+        if not (files.is_url(run_dir) and storage_error(err) is not None):
+            _remove_if_worthless(created)  # by the process that made it: any, with several
         if isinstance(err, StoppedBySignal) and not err.where:  # a stop during the start
             raise _before_first_step(err, run_dir) from None
         raise
 
 
-def _remove_if_worthless(created: list[Path]) -> None:
+def _to_create(run_dir: str) -> list[str]:
+    """The run directory and its parents that do not exist yet, deepest first (on a bucket,
+    where folders are prefixes: the run directory alone, if it holds nothing)."""
+    if files.is_url(run_dir):
+        return [] if files.is_dir(run_dir) else [run_dir]
+    path = Path(run_dir)
+    return [str(d) for d in (path, *path.parents) if not d.exists()]
+
+
+def _remove_if_worthless(created: list[str]) -> None:
     """Remove the run directory `created[0]` and the parents created with it (`created`,
     deepest first) if it holds no checkpoint and no logged step: a start that failed or was
     stopped leaves nothing behind. An empty list (the directory was there before) removes
     nothing."""
-    if not created or complete_steps(created[0] / "checkpoints") or logged_records(created[0]):
+    if not created or complete_steps(files.join(created[0], "checkpoints")) or \
+            logged_records(created[0]):
         return
-    shutil.rmtree(created[0], ignore_errors=True)
+    files.remove_tree(created[0])
     for parent in created[1:]:
         try:
-            parent.rmdir()  # only if nothing else was put there meanwhile
+            os.rmdir(parent)  # only if nothing else was put there meanwhile
         except OSError:
             return
 
 
-def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
+def _train(cfg: TrainConfig, run_dir: str, mesh: jax.sharding.Mesh,
            lead: bool) -> dict[str, Any]:
     with contextlib.ExitStack() as closing:  # closed on errors too
         checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
         closing.callback(checkpointer.close)
         resume_step = checkpointer.latest_step()
         finished = finished_result(cfg, run_dir, resume_step)
-        if lead and finished is None and not os.access(run_dir, os.W_OK):
+        if lead and finished is None and not files.is_url(run_dir) and \
+                not os.access(run_dir, os.W_OK):
             raise PermissionError(f"cannot write in run.dir {run_dir} (read-only or not yours); "
                                   f"copy it to a writable place and train there, or give "
                                   f"another run.dir")
@@ -175,13 +190,14 @@ def _train(cfg: TrainConfig, run_dir: Path, mesh: jax.sharding.Mesh,
         else:
             state, meta = checkpointer.restore(resume_step, trainer.abstract_state())
             if meta["tokenizer_sha256"] != tokenizer.sha256:
-                raise CheckpointError(f"{run_dir / tokenizer.file_name} is not the tokenizer the "
-                                      f"checkpoint was trained with")
+                raise CheckpointError(f"{files.join(run_dir, tokenizer.file_name)} is not the "
+                                      f"tokenizer the checkpoint was trained with")
             logger.info("resumed %s from step %d", run_dir, resume_step)
         exits.check()
         if lead and finished is None:  # once the checkpoint is known good, and to be trained
-            unmark_output(run_dir)  # a cem-import's run becomes a run no --overwrite replaces
-            save_config(cfg, run_dir / "config.yaml")
+            if not files.is_url(run_dir):  # cem-import writes local directories only
+                unmark_output(Path(run_dir))  # its run: one no --overwrite replaces from now
+            save_config(cfg, files.join(run_dir, "config.yaml"))
         first = resume_step or 0
         if finished is not None:  # started again after its end: report, write nothing
             logger.info("%s has taken its %d steps already; nothing to train", run_dir, first)
@@ -220,7 +236,7 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
     with the final "state". A resume step whose validation was due but never logged (the run
     was stopped at it) is validated first. Raises StoppedBySignal saying where the loop or the
     final validation stopped (a stop before the loop: as it came)."""
-    writer = closing.enter_context(MetricsWriter(Path(cfg.run.dir), first, cfg))
+    writer = closing.enter_context(MetricsWriter(cfg.run.dir, first, cfg))
     if validation_missing(cfg, first):
         result = _validate(cfg, trainer, state["params"], tokenizer, mesh)
         writer.write(first, "eval", result)
@@ -257,10 +273,10 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
     return summary
 
 
-def _before_first_step(stop: StoppedBySignal, run_dir: Path) -> StoppedBySignal:
+def _before_first_step(stop: StoppedBySignal, run_dir: str) -> StoppedBySignal:
     """`stop`, saying that it came before the first step of this start, which saved nothing:
     the run stays at its newest checkpoint (none for a new run)."""
-    checkpoints = (run_dir / "checkpoints").absolute()
+    checkpoints = str(checkpoint_directory(run_dir))
     if not (steps := complete_steps(checkpoints)):
         return stop.at("before the first step; nothing was trained")
     return stop.at(f"before its first step; the run stays at step {steps[-1]} ({checkpoints}): "
@@ -274,7 +290,7 @@ def _stopped_at(stop: StoppedBySignal, step: int, first: int,
     checkpointer.wait()
     good = checkpointer.latest_step()
     if (good or 0) <= first and step <= first + 1:
-        return _before_first_step(stop, checkpointer.directory.parent)
+        return _before_first_step(stop, str(checkpointer.directory.parent))
     if good == step:
         kept = f"checkpoint saved in {checkpointer.directory}"
     elif good is None:

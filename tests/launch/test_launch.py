@@ -3,7 +3,8 @@
 `tpu_pod.sh` runs against a fake `gcloud` that models a TPU slice of N workers: each worker is a
 home directory, `ssh --command=...` runs the command there with bash (so the install, launch,
 log-stream and status commands really execute), the package's `uv` and the trainer are stubs
-that record their arguments. `gpu_slurm.sbatch` runs with stub `srun`/`scontrol`/`cem-train`
+that record their arguments (a `gs://` run.dir is only passed on: nothing here touches a
+bucket). `gpu_slurm.sbatch` runs with stub `srun`/`scontrol`/`cem-train`
 and SLURM_* variables; `local.sh` with a stub virtual environment. No real sleeps: the poll and
 retry intervals are 0.
 """
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -157,7 +159,8 @@ if sys.argv[1] == "venv":
 # The trainer: records worker, cwd, XLA_FLAGS and its arguments (one a line), then exits with
 # the status $FAKE_TPU/train_rc gives it: line N for its N-th run (the last line for later
 # runs), holding one status for every worker or one per worker. Bash, so it is over before the
-# log stream starts.
+# log stream starts. With $FAKE_TPU/wait_for_term, its first run writes its pid to
+# $FAKE_TPU/ready.WORKER, waits for a SIGTERM, "saves" for a moment and writes saved.WORKER.
 FAKE_TRAINER = """#!/bin/bash
 record=$(mktemp "$FAKE_TPU/train.XXXXXX")
 { echo "$FAKE_WORKER"; pwd; echo "${XLA_FLAGS-}"; printf '%s\\n' "$@"; } > "$record"
@@ -165,6 +168,13 @@ echo "step 1: loss 7.5 on worker $FAKE_WORKER"
 runs="$FAKE_TPU/runs.$FAKE_WORKER"
 n=$(( $(cat "$runs" 2>/dev/null || echo 0) + 1 ))
 echo "$n" > "$runs"
+if [[ -f $FAKE_TPU/wait_for_term && $n == 1 ]]; then
+  trap 'term=1' TERM
+  echo $$ > "$FAKE_TPU/ready.$FAKE_WORKER"
+  while [[ -z ${term:-} ]]; do sleep 0.02; done
+  sleep 0.5
+  touch "$FAKE_TPU/saved.$FAKE_WORKER"
+fi
 line=$(sed -n "${n}p" "$FAKE_TPU/train_rc")
 [[ -n $line ]] || line=$(tail -n 1 "$FAKE_TPU/train_rc")
 read -ra codes <<< "$line"
@@ -209,7 +219,8 @@ def fake_tpu(tmp_path):
                 (root / "workers" / str(i)).mkdir(parents=True, exist_ok=True)
         full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
                     "FAKE_TPU": str(root), "SOURCE_DIR": str(source), "POLL_INTERVAL": "0",
-                    "RETRY_DELAY": "0", "TMPDIR": str(tmp_path), **(env or {})}
+                    "RETRY_DELAY": "0", "LOCK_LEASE": "0", "TMPDIR": str(tmp_path),
+                    **(env or {})}
         proc = subprocess.run(["bash", str(LAUNCH / "tpu_pod.sh"), *args], env=full_env,
                               capture_output=True, text=True, timeout=60)
         calls = [json.loads(line) for line in (root / "calls.jsonl").read_text().splitlines()] \
@@ -360,7 +371,9 @@ def test_tpu_acts_on_the_trainers_exit_statuses(fake_tpu, codes, status, launche
     assert message in proc.stderr
 
 
-def test_tpu_bucket_mount_git_source_and_env_options(fake_tpu):
+def test_tpu_bucket_run_dir_git_source_and_env_options(fake_tpu):
+    """--bucket: run.dir is gs://BUCKET/runs/NAME, which cem-train writes itself; nothing is
+    installed or mounted for it."""
     proc, got = fake_tpu(
         ["--name", "pod2", "--config", "configs/b.yaml", "--bucket", "gs://my-bkt/",
          "--repo-url", "https://example.com/cem_jax.git", "--repo-ref", "v1", "lr=1"],
@@ -371,15 +384,75 @@ def test_tpu_bucket_mount_git_source_and_env_options(fake_tpu):
                                     "ssh 0 stream", "ssh all status"]  # no scp: git
     assert got["calls"][1][4:7] == ["pod2", "--zone=europe-west4-a", "--worker=all"]  # no
     # --project: gcloud's default project
-    assert got["tools"][:3] == ["git clone https://example.com/cem_jax.git cem_jax",
-                                "git -C cem_jax fetch --depth 1 origin v1",
-                                "git -C cem_jax checkout --force FETCH_HEAD"]
+    assert got["tools"] == ["git clone https://example.com/cem_jax.git cem_jax",
+                            "git -C cem_jax fetch --depth 1 origin v1",
+                            "git -C cem_jax checkout --force FETCH_HEAD"]  # no gcsfuse, sudo
+    assert not [c for c in got["calls"] if "gcsfuse" in " ".join(c) or "mountpoint" in " ".join(c)]
+    assert [t["argv"] for t in got["trains"]] == [
+        ["--config", "configs/b.yaml", "run.dir=gs://my-bkt/runs/pod2", "mesh.distributed=true",
+         "lr=1"]]
+    assert "training finished; run directory gs://my-bkt/runs/pod2" in proc.stderr
+    assert "warning" not in proc.stderr
+
+
+def test_tpu_gcsfuse_mounts_the_bucket_on_request(fake_tpu):
+    proc, got = fake_tpu(["--name", "pod2", "--zone", "z", "--bucket", "my-bkt", "--gcsfuse"],
+                         {"initial": "READY", "workers": 1})
+    assert proc.returncode == 0, proc.stderr
     assert "gcsfuse --implicit-dirs --rename-dir-limit=1000000 my-bkt /mnt/my-bkt" \
         in got["tools"]
     assert "sudo mkdir -p /mnt/my-bkt" in got["tools"]
-    assert [t["argv"] for t in got["trains"]] == [
-        ["--config", "configs/b.yaml", "run.dir=/mnt/my-bkt/runs/pod2", "mesh.distributed=true",
-         "lr=1"]]
+    install = next(c for c in got["calls"] if _steps([c]) == ["ssh all install"])
+    assert "apt-get install -yq gcsfuse" in install[-1]
+    assert [t["argv"][2] for t in got["trains"]] == ["run.dir=/mnt/my-bkt/runs/pod2"]
+
+
+def test_tpu_a_gs_run_dir_waits_out_a_killed_trainers_lock_before_running_again(fake_tpu):
+    """A trainer killed with its run.dir on a bucket may have left its lock object: the next
+    start waits at least LOCK_LEASE seconds (RETRY_DELAY is 0 here), a stop (75) does not."""
+    proc, got = fake_tpu([*SLICE, "--run-dir", "gs://b/runs/x"], {"initial": "READY"},
+                         train_rc="137\n75\n0", env={"LOCK_LEASE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "run ended with status 137, slice READY: restart 1 of 20 in 1s" in proc.stderr
+    assert "running it again in 0s" in proc.stderr  # after the 75
+    assert {t["argv"][2] for t in got["trains"]} == {"run.dir=gs://b/runs/x"}
+    assert len(got["trains"]) == 6
+    assert "warning" not in proc.stderr  # a URL is not a worker's boot disk
+
+
+def test_tpu_a_signal_to_the_whole_worker_waits_for_the_trainers_save(fake_tpu, tmp_path):
+    """SIGTERM to the launched script as well as to cem-train (a process group's signal,
+    systemd stopping the session): the script outlives the trainer, which saves and exits 75,
+    and records that 75; the launcher runs it again, not counted as a restart."""
+    root = tmp_path / "tpu"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "wait_for_term").touch()
+    homes = [root / "workers" / str(i) for i in range(2)]
+
+    def signal_when_ready():
+        deadline = time.monotonic() + 30
+        while not all((root / f"ready.{i}").exists() for i in range(2)):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        time.sleep(0.1)
+        for i, home in enumerate(homes):
+            script = int((home / "cem_launch" / "pid").read_text())
+            trainer = int((root / f"ready.{i}").read_text())
+            os.kill(script, signal.SIGTERM)  # the script first: it must not end before
+            os.kill(trainer, signal.SIGTERM)
+
+    signaller = threading.Thread(target=signal_when_ready)
+    signaller.start()
+    proc, got = fake_tpu([*SLICE, "--run-dir", "gs://b/runs/x"], {"initial": "READY"},
+                         train_rc="75\n0")
+    signaller.join()
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in root.glob("saved.*")) == ["saved.0", "saved.1"]
+    assert proc.stderr.count("cem-launch-exit=75") == 2, proc.stderr
+    assert "stopped by a signal and saved (status 75), slice READY" in proc.stderr
+    assert "restart 1 of" not in proc.stderr
+    assert len(got["trains"]) == 4
 
 
 def test_tpu_dry_run_prints_the_commands_and_runs_nothing(fake_tpu):
@@ -399,13 +472,21 @@ def test_tpu_dry_run_prints_the_commands_and_runs_nothing(fake_tpu):
     assert "nothing was run" in proc.stderr and "training finished" not in proc.stderr
 
 
+def test_tpu_dry_run_with_a_bucket_mounts_nothing(fake_tpu):
+    proc, got = fake_tpu([*SLICE, "--bucket", "b", "--dry-run"], {"initial": "MISSING"})
+    assert proc.returncode == 0, proc.stderr
+    assert got["calls"] == []
+    assert "run.dir=gs://b/runs/pod1" in proc.stdout
+    assert "gcsfuse" not in proc.stdout and "mountpoint" not in proc.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--run-dir", "/r"], "the zone is required"),
-    (["--zone", "z"], "give --run-dir"),
-    (["--zone", "z", "--run-dir", "gs://b/run"],
-     "mount the bucket instead: --bucket b --run-dir /mnt/b/run"),
+    (["--zone", "z"], "give --run-dir (gs://BUCKET/runs/NAME, or a path every worker shares)"),
     (["--zone", "z", "--bucket", "gs://b/runs"],
-     "a bucket name, not a path ('b/runs'); give --bucket b --run-dir /mnt/b/runs"),
+     "a bucket name, not a path ('b/runs'); give --run-dir gs://b/runs"),
+    (["--zone", "z", "--run-dir", "/r", "--gcsfuse"], "give --bucket too"),
+    (["--zone", "z", "--bucket", "b", "--mount", "/m"], "add --gcsfuse"),
     (["--zone", "z", "--run-dir", "/r", "--max-restarts", "x"], "MAX_RESTARTS must be"),
     (["--zone", "z", "--run-dir", "/r", "oops"], "neither an option nor"),
     (["--zone", "z", "--run-dir", "/r", "--config", "configs/typo.yaml"],
@@ -424,7 +505,7 @@ def test_tpu_help():
                           text=True)
     assert proc.returncode == 0
     for option in ("--zone", "--accelerator", "--version", "--spot", "--run-dir", "--bucket",
-                   "TPU_ZONE", "MAX_RESTARTS", "--dry-run"):
+                   "--gcsfuse", "TPU_ZONE", "MAX_RESTARTS", "LOCK_LEASE", "--dry-run"):
         assert option in proc.stdout
 
 

@@ -1,8 +1,10 @@
 """docs/pod_training.md's commands, run as written on a stand-in: Parquet files and a byte-level
 BPE tokenizer.json this test builds, a storage emulator on 127.0.0.1 as the bucket, and the
-command `launch/tpu_pod.sh` runs on each worker, on two processes here, with the doc's overrides
-and a tiny model. The run reads the tokenized dataset from gs://, is preempted (SIGTERM at step
-2: both processes stop at the step they agree on, status 75) and resumes to its end."""
+command `launch/tpu_pod.sh` runs on each worker (its --dry-run prints it), on two processes
+here, with the doc's run directory and overrides and a tiny model. The run reads the tokenized
+dataset from gs://, writes its run directory there (checkpoints through orbax and TensorStore),
+is preempted (SIGTERM at step 2: both processes stop at the step they agree on, save to the
+bucket, status 75) and resumes from the bucket to its end."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pyarrow.parquet as pq
 from faults import fault_env
 from helpers import train_byte_level_bpe
 
+from cem_jax.checkpoint import complete_steps
 from cem_jax.data import files, shards
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +59,7 @@ def stand_in_corpus(bucket: str, tmp_path: Path) -> None:
                       (tmp_path / "tokenizer.json").read_bytes())
 
 
-def workers(overrides: list[str], run_dir: Path,
+def workers(overrides: list[str], run_dir: str,
             env: dict[str, str]) -> list[subprocess.CompletedProcess]:
     """What tpu_pod.sh runs on each of two workers, each a process of one CPU device, with
     `env` added to the environment."""
@@ -86,17 +89,29 @@ def test_the_pod_walkthrough_runs_on_a_stand_in(gcs_bucket, tmp_path):
     assert 0 < held_out < 30  # 0.05% of them
 
     command = block("train").replace("\\\n", " ")
-    overrides = subprocess.run(
-        ["bash", "-c", "printf '%s\\n' " + command.split(" -- ", 1)[1]], env=env,
-        capture_output=True, text=True, check=True).stdout.split()
+    options, overrides = (subprocess.run(
+        ["bash", "-c", "printf '%s\\n' " + part], env=env, capture_output=True, text=True,
+        check=True).stdout.split() for part in command.split(" -- ", 1))
     assert f"data.corpus={gcs_bucket}/tokens/fineweb-edu-10bt" in overrides
     assert "--config configs/cem_full_100m.yaml" in command  # what `workers` runs
-    preempted = workers([*overrides, "imports=[faults]"], tmp_path / "run",
+    run_dir = options[options.index("--run-dir") + 1]
+    assert run_dir == f"{gcs_bucket}/runs/cem-100m"
+    # what the launcher would run on the workers: that run.dir, and no gcsfuse mount
+    dry = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True,
+                         env={**env, "DRY_RUN": "1", "REPO_URL": "https://example.invalid/x.git"},
+                         timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert f"run.dir={run_dir}" in dry.stdout and "gcsfuse" not in dry.stdout
+
+    preempted = workers([*overrides, "imports=[faults]"], run_dir,
                         fault_env(signal_step=2))  # the preemption notice after step 2
     assert [p.returncode for p in preempted] == [75, 75], [p.stderr for p in preempted]
     stopped = re.search(r"stopped by a signal \(SIGTERM\) at step (\d+)", preempted[0].stderr)
     assert stopped and 2 <= int(stopped.group(1)) < 200, preempted[0].stderr
-    resumed = workers(overrides, tmp_path / "run", fault_env())
+    assert complete_steps(f"{run_dir}/checkpoints")[-1] == int(stopped.group(1))  # saved first
+    assert not files.exists(f"{run_dir}/.lock.1")  # released at the stop
+    resumed = workers(overrides, run_dir, fault_env())
     assert [p.returncode for p in resumed] == [0, 0], [p.stderr for p in resumed]
-    assert f"resumed {tmp_path / 'run'} from step {stopped.group(1)}" in resumed[0].stdout
+    assert f"resumed {run_dir} from step {stopped.group(1)}" in resumed[0].stdout
     assert "validation after 200 steps" in resumed[0].stdout
+    assert complete_steps(f"{run_dir}/checkpoints")[-1] == 200

@@ -1,0 +1,266 @@
+"""A storage outage in the middle of a run on a bucket (`run.dir=gs://...`): cem-train reaches
+the emulator (`gcs_bucket`) through a TCP proxy in this process, which the test cuts at a chosen
+point (`tests/faults.py`'s pause, once checkpoint 2 is committed and before the next save
+starts). The run fails at the metrics flush that precedes its next save: exit status 1 (the
+launchers retry it), one line on stderr, within a bounded time (no full retry cycle at each
+cleanup on the way out); checkpoint 2 still restores; once the storage is back, the same command
+resumes from it at once (the lock left on the bucket is its dead holder's, on this host) and
+finishes. Also: which lock holders a relaunch takes over at once (`cem_jax.train.lock._gone`),
+and cem-eval, cem-sample and cem-export meeting a storage failure (one line, status 1)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from faults import fault_env
+from train_helpers import REPO, run_cli
+
+from cem_jax.checkpoint import COMMIT_MARKER, complete_steps
+from cem_jax.data import files
+from cem_jax.rundir import load_run
+
+STEPS = 6
+MAX_FAIL_S = 120  # from the cut to the process's end
+# TensorStore's log (stderr, at its first request) of the emulator's credentials (`gcs_emulator`:
+# GOOGLE_AUTH_TOKEN_FOR_TESTING), which no real bucket's run prints
+TEST_TOKEN_LOG = re.compile(r"I\d{4} [\d:. ]+\d+ google_auth_provider\.cc:\d+\] Using "
+                            r"GOOGLE_AUTH_TOKEN_FOR_TESTING$")
+
+
+class Proxy:
+    """127.0.0.1:`port` to the emulator at `target` (its URL), byte for byte both ways (a thread
+    per direction of each connection). `cut()`: the storage gone (the listener closed, every
+    open connection reset: new ones are refused); `restore()`: it listens again on the same
+    port."""
+
+    def __init__(self, target: str):
+        self.target = ("127.0.0.1", int(target.rsplit(":", 1)[1]))
+        self.lock = threading.Lock()
+        self.sockets: list[socket.socket] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._serve()
+
+    def _serve(self) -> None:
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # cut
+                return
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                if listener.fileno() == -1:  # cut meanwhile
+                    client.close()
+                    upstream.close()
+                    return
+                self.sockets += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        with self.lock:
+            for s in [self.listener, *self.sockets]:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            self.sockets = []
+
+    def restore(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", self.port))  # SO_REUSEADDR
+        self._serve()
+
+
+def _wait_for(path, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"cem-train ended ({proc.returncode}) before its pause:\n"
+                                 f"{out[-2000:]}\n{err[-3000:]}")
+        assert time.monotonic() < deadline, "cem-train did not reach its pause"
+        time.sleep(0.1)
+
+
+def test_a_storage_outage_before_a_save_is_one_line_status_1_and_the_run_resumes(
+        tiny_overrides, gcs_emulator, gcs_bucket, tmp_path):
+    """The storage cut after step 3 (checkpoint 2 committed): the run fails at step 4's metrics
+    flush, before its save, with exit status 1 and one line on stderr naming the URL, in
+    bounded time; checkpoint 2 restores; the same command, the storage back, resumes from step
+    2 at once and finishes."""
+    run_dir = f"{gcs_bucket}/runs/cem"
+    proxy = Proxy(gcs_emulator)
+    through_proxy = {"STORAGE_EMULATOR_HOST": proxy.url, "TENSORSTORE_GCS_HTTP_URL": proxy.url}
+    paused = tmp_path / "paused"
+    args = [*tiny_overrides, f"run.steps={STEPS}", "run.checkpoint_every=2",
+            f"run.dir={run_dir}", "run.sample_tokens=0", "imports=[faults]"]
+    env = {**os.environ, **fault_env(pause_step=3, pause_file=paused), **through_proxy}
+    proc = subprocess.Popen([sys.executable, "-m", "cem_jax.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(paused, proc, timeout=240)
+        checkpoints = files.join(run_dir, "checkpoints")
+        assert complete_steps(checkpoints) == [2]
+        assert files.is_file(files.join(checkpoints, "2", COMMIT_MARKER))
+        proxy.cut()
+        cut = time.monotonic()
+        paused.unlink()
+        out, err = proc.communicate(timeout=300)
+        took = time.monotonic() - cut
+    finally:
+        proc.kill()
+        proxy.cut()
+    print(f"from the cut to the end of cem-train: {took:.1f} s\nstdout (its end):\n"
+          f"{out[-1500:]}\nstderr:\n{err}")
+    assert proc.returncode == 1, (out[-2000:], err[-3000:])
+    lines = [line for line in err.splitlines() if not TEST_TOKEN_LOG.match(line)]
+    assert len(lines) == 1, err[-5000:]
+    assert lines[0].startswith(f"cem-train: object storage unreachable or failing at "
+                               f"{run_dir}/"), lines
+    assert "nothing was lost" in lines[0] and lines[0].endswith("(exit status 1)"), lines
+    assert took < MAX_FAIL_S, took
+
+    proxy.restore()
+    assert complete_steps(checkpoints) == [2]  # step 4's save never started
+    run = load_run(run_dir)
+    assert run.step == 2 and run.config.run.steps == STEPS
+    started = time.monotonic()
+    resumed = run_cli(args, env={**fault_env(), **through_proxy})
+    assert resumed.returncode == 0, (resumed.stdout[-2000:], resumed.stderr[-3000:])
+    assert "from step 2" in resumed.stdout, resumed.stdout[-3000:]
+    assert "taking over the lock" in resumed.stdout, resumed.stdout[-3000:]
+    print(f"the resumed run took {time.monotonic() - started:.1f} s")
+    assert complete_steps(checkpoints) == [2, 4, 6]
+    assert not [n for n in files.names(run_dir) if n.startswith(".lock")]
+
+
+def test_a_lock_left_by_a_process_gone_from_this_host_is_taken_over_at_once(gcs_bucket):
+    """A bucket lock refreshed just now is taken over at once only when it names a process of
+    this host (and pid namespace) that no longer runs; a live process's, another host's, an
+    older lock's words (no pid namespace) and this process's own are refused."""
+    from cem_jax.train import lock
+
+    run_dir = f"{gcs_bucket}/runs/left"
+    first = files.join(run_dir, ".lock.1")
+    here = lock._place()
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        held = [f"pid {alive.pid} on {here}, token 0a", f"pid {gone} on another-host, token 0a",
+                f"pid {os.getpid()} on {here}, token 0a"]
+        if here != socket.gethostname():  # Linux: a lock naming the host alone
+            held.append(f"pid {gone} on {socket.gethostname()}, token 0a")
+        for holder in held:
+            files.write_text(first, holder)
+            with pytest.raises(lock.RunDirInUse, match="lapses"):
+                with lock.run_dir_lock(run_dir, lead=True):
+                    pass
+    finally:
+        alive.kill()
+        alive.wait()
+    files.write_text(first, f"pid {gone} on {here}, token 0a")
+    with lock.run_dir_lock(run_dir, lead=True):
+        assert [n for n in files.names(run_dir) if n.startswith(".lock")] == [".lock.2"]
+        assert files.read_text(files.join(run_dir, ".lock.2")).startswith(
+            f"pid {os.getpid()} on {here}, token ")
+    assert [n for n in files.names(run_dir) if n.startswith(".lock")] == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _storage_failures(monkeypatch) -> dict[str, Exception]:
+    """Real storage failures, raised at once (no retries), as the commands meet them: gcsfs's
+    out of retries (aiohttp's ClientConnectorError, noted with its URL by `files`) and an orbax
+    restore that TensorStore could not read (a CheckpointError caused by its ValueError)."""
+    import aiohttp
+    import tensorstore as ts
+
+    from cem_jax.checkpoint import restore_error
+
+    dead = f"http://127.0.0.1:{_free_port()}"
+
+    async def get() -> None:
+        async with aiohttp.ClientSession() as session, session.get(f"{dead}/b/o"):
+            pass
+
+    try:
+        asyncio.run(get())
+    except aiohttp.ClientError as err:
+        err.add_note("storage URL: gs://bkt/runs/cem/config.yaml")
+        gcsfs_failure: Exception = err
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", dead)
+    monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "anon")
+    store = ts.KvStore.open({"driver": "gcs", "bucket": "bkt", "path": "runs/cem/checkpoints/",
+                             "context": {"gcs_request_retries": {
+                                 "max_retries": 1, "initial_delay": "10ms",
+                                 "max_delay": "10ms"}}}).result()
+    try:
+        store.read("2/state/manifest.ocdbt").result()
+    except ValueError as err:
+        restore_failure = restore_error("gs://bkt/runs/cem/checkpoints/2", err)
+        restore_failure.__cause__ = err
+    return {"gcsfs": gcsfs_failure, "tensorstore": restore_failure}
+
+
+@pytest.mark.parametrize("command", ["cem-eval", "cem-sample", "cem-export"])
+@pytest.mark.parametrize("kind", ["gcsfs", "tensorstore"])
+def test_a_storage_failure_is_one_line_and_status_1_in_the_other_commands(
+        command, kind, monkeypatch, capsys, tmp_path):
+    """cem-eval, cem-sample and cem-export meeting a storage that cannot be reached where they
+    first read the run (its tokenizer, config or checkpoint): one line on stderr, status 1, no
+    traceback."""
+    import logging
+
+    import cem_jax.data
+    import cem_jax.rundir
+    from cem_jax import evaluate, sample
+    from cem_jax.export import cli
+
+    failure = _storage_failures(monkeypatch)[kind]
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(cem_jax.rundir, "load_run", fail)
+    monkeypatch.setattr(cem_jax.data, "find_tokenizer", fail)  # cem-export's first read
+    absl = logging.getLogger("absl")
+    monkeypatch.setattr(absl, "level", absl.level)  # the commands quieten it
+    main, extra = {"cem-eval": (evaluate.main, []), "cem-sample": (sample.main, []),
+                   "cem-export": (cli.main, ["--format", "safetensors", "--out",
+                                             str(tmp_path / "out")])}[command]
+    assert main(["--run", "gs://bkt/runs/cem", *extra]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"{command}: error: object storage unreachable or failing at "
+                          f"gs://bkt/runs/cem/"), err
+    assert err.rstrip().endswith("nothing was lost; run the same command again"), err
