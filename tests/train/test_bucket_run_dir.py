@@ -177,3 +177,27 @@ def test_cem_compare_and_cem_study_train_into_a_runs_dir_on_a_bucket(tiny_overri
     wall = json.loads(files.read_text(files.join(spec.cfg.run.dir, "compare.json")))["wall_s"]
     again = train_one(spec, "cem-study")
     assert again["ok"] and again["wall_s"] == wall and again["eval"] == row["eval"]
+
+
+def test_a_step_without_its_commit_marker_is_never_restored_and_is_cleaned_up(
+        tiny_overrides, gcs_bucket, straight_losses):
+    """On a bucket a step is complete once orbax wrote `N/commit_success.txt` last: a step
+    without it (a save cut by a kill or an outage) is no checkpoint to `complete_steps`,
+    `available_steps` or a resume, which starts from the step before it; that start removes the
+    partial step and writes it again, with the straight run's losses."""
+    from cem_jax.checkpoint import partial_checkpoints
+    from cem_jax.rundir import available_steps
+
+    run_dir = f"{gcs_bucket}/runs/torn"
+    args = [*tiny_overrides, "run.checkpoint_every=2", "run.sample_tokens=0",
+            f"run.dir={run_dir}"]
+    first = run_cli([*args, "run.steps=4"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = files.join(run_dir, "checkpoints")
+    files.remove(files.join(checkpoints, "4", "commit_success.txt"))  # as if cut mid-save
+    assert complete_steps(checkpoints) == [2] == available_steps(run_dir)
+    assert partial_checkpoints(checkpoints) == [files.join(checkpoints, "4")]
+    resumed = run_cli([*args, f"run.steps={STEPS}"])
+    assert resumed.returncode == 0 and "from step 2" in resumed.stdout, resumed.stderr[-3000:]
+    assert complete_steps(checkpoints) == [2, 4, 6] and partial_checkpoints(checkpoints) == []
+    _assert_same_losses(straight_losses, _bucket_losses(run_dir))
