@@ -88,3 +88,22 @@ def test_a_failure_inside_the_window_still_writes_the_trace(tmp_path):
     with pytest.raises(RuntimeError, match="step 4 fails"):
         _profiled_loop(tmp_path, first=0, last=8, start=2, steps=4, fail_at=4)
     assert traced_steps(tmp_path / "tensorboard") == {2, 3, 4}
+
+
+def test_a_profile_of_a_run_on_a_bucket_is_uploaded_there(tiny_overrides, gcs_bucket,
+                                                          tmp_path):
+    """A run directory on a bucket: the trace is written to a local folder and uploaded to
+    RUN_DIR/tensorboard/plugins/profile/<time>/ when it stops, its steps marked as locally."""
+    from cem_jax.data import files
+
+    run_dir = f"{gcs_bucket}/runs/profiled"
+    train(load_config(None, [*tiny_overrides, "run.steps=4", "run.sample_tokens=0",
+                             f"run.dir={run_dir}", "run.profile_start=2",
+                             "run.profile_steps=2"]))
+    profiles = files.join(run_dir, "tensorboard", "plugins", "profile")
+    run, = files.names(profiles)
+    local = tmp_path / "tensorboard" / "plugins" / "profile" / run
+    local.mkdir(parents=True)
+    for name in files.names(files.join(profiles, run)):
+        (local / name).write_bytes(files.read_bytes(files.join(profiles, run, name)))
+    assert traced_steps(tmp_path / "tensorboard") == {2, 3}
