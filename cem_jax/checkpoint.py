@@ -44,6 +44,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from cem_jax.data import Tokenizer, files
+from cem_jax.data.storage_errors import storage_error
 
 # What orbax writes last into a step on object storage, which has no rename.
 COMMIT_MARKER = "commit_success.txt"
@@ -86,7 +87,8 @@ def disk_full_errno(err: BaseException | None) -> int | None:
 
 class _FailureEchoes(logging.Filter):
     """asyncio's task and gather results nobody retrieved, and orbax's own logs (with
-    tracebacks) of a write that failed for want of space."""
+    tracebacks) of a write that failed for want of space or for an object storage that could
+    not be reached (the caller gets the same error, and says it in one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == "asyncio":
@@ -94,7 +96,8 @@ class _FailureEchoes(logging.Filter):
             return not first.endswith("exception was never retrieved")
         return not (record.levelno >= logging.ERROR and record.exc_info
                     and f"{os.sep}orbax{os.sep}" in record.pathname
-                    and disk_full_errno(record.exc_info[1]) is not None)
+                    and (disk_full_errno(record.exc_info[1]) is not None
+                         or storage_error(record.exc_info[1]) is not None))
 
 
 def _orbax_coroutine(obj: Any) -> bool:

@@ -163,6 +163,8 @@ class RunConfig:
         check_field_types(self)
         require(self.dir.strip() != "", "dir", self.dir, "a non-empty path")
         object.__setattr__(self, "dir", files.local(self.dir))  # `~` as a shell would
+        require(not files.is_url(self.dir) or self.dir.startswith("gs://"), "dir", self.dir,
+                "a local path or a gs:// URL (a run directory on other storage: mount it)")
         for name in ("steps", "log_every", "eval_every", "checkpoint_every",
                      "keep_checkpoints", "profile_steps"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "a positive integer")
@@ -174,6 +176,8 @@ class RunConfig:
                 self.init_step, "null unless run.init_from names the run to start from")
         if self.init_from is not None:
             object.__setattr__(self, "init_from", files.local(self.init_from))
+            require(not files.is_url(self.init_from) or self.init_from.startswith("gs://"),
+                    "init_from", self.init_from, "a local path or a gs:// URL")
         require(self.profile_start is None or self.profile_start >= 1, "profile_start",
                 self.profile_start, "a positive step number or null (no profile)")
         require(self.wandb_mode in ("online", "offline"), "wandb_mode", self.wandb_mode,

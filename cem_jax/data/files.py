@@ -44,8 +44,12 @@ def is_url(path: str) -> bool:
 
 
 def local(path: str) -> str:
-    """A local path with `~` expanded; a URL unchanged."""
-    return str(path) if is_url(path) else os.path.expanduser(str(path))
+    """A local path with `~` expanded; a URL unchanged, but for `gcs://`, gcsfs's other name of
+    `gs://`, written `gs://` (the one orbax's paths know)."""
+    path = str(path)
+    if not is_url(path):
+        return os.path.expanduser(path)
+    return "gs://" + path[len("gcs://"):] if path.startswith("gcs://") else path
 
 
 def join(base: str, *parts: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Collection, Iterator
@@ -49,14 +50,19 @@ def check_destination(out: str | Path, overwrite: bool, source: str | Path | Non
     """`out` as an absolute path, after checking that an output writing the entries `names`
     may be written there.
 
-    Raises FileExistsError: `out` is a file; or the directory `source` (what is being read),
+    Raises ValueError: `out` is a URL (an output is written on a local disk: copy it to a
+    bucket after). FileExistsError: `out` is a file; or the directory `source` (what is being read),
     inside it or above it; or a non-empty directory that holds a training run or is in use by
     a cem-train; or one that cem_jax did not write (it lacks `MARKER`); or, not `overwrite`, an
     earlier output; or, with `overwrite`, one holding an entry of `names` that the earlier
     output did not write (or, with an older marker, any entry an older output did not write).
     """
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(out)):
+        raise ValueError(f"--out {out} is a URL: an export or import is written to a local "
+                         f"directory; write it there, then copy it (gcloud storage cp -r DIR "
+                         f"{out})")
     out = Path(out).resolve()
-    if source is not None:
+    if source is not None and "://" not in str(source):
         src = Path(source).resolve()
         if out == src or src in out.parents or out in src.parents:
             raise FileExistsError(f"--out {out} overlaps the directory being read ({src}): "

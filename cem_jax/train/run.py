@@ -111,6 +111,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     check_fits_in_memory(cfg, mesh)  # as the next check, before anything is written
     run_dir = cfg.run.dir
     checkpoint_directory(run_dir)  # a path orbax cannot restore from
+    bucket = run_dir.split("/", 3)[2] if files.is_url(run_dir) else None  # gs://BUCKET/...
+    if bucket is not None and not files.exists(f"gs://{bucket}"):
+        raise ValueError(f"run.dir {run_dir}: the bucket gs://{bucket} does not exist (or these "
+                         f"credentials cannot see it); create it in the slice's region (gcloud "
+                         f"storage buckets create gs://{bucket} --location=REGION) or give "
+                         f"another run.dir")
     if files.is_file(run_dir):
         raise ValueError(f"run.dir {run_dir} is a file, not a directory; give another run.dir")
     exits.check()  # a signal while JAX was imported or initialized: stop before writing

@@ -201,3 +201,35 @@ def test_a_step_without_its_commit_marker_is_never_restored_and_is_cleaned_up(
     assert resumed.returncode == 0 and "from step 2" in resumed.stdout, resumed.stderr[-3000:]
     assert complete_steps(checkpoints) == [2, 4, 6] and partial_checkpoints(checkpoints) == []
     _assert_same_losses(straight_losses, _bucket_losses(run_dir))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run.dir=gs://no-such-bucket-here/runs/x"],
+     "the bucket gs://no-such-bucket-here does not exist"),
+    (["run.dir=s3://b/runs/x"], "'run.dir' = 's3://b/runs/x' is invalid: it must be a local "
+     "path or a gs:// URL"),
+])
+def test_a_run_dir_that_cannot_be_is_one_line_status_2(tiny_overrides, gcs_bucket, args,
+                                                       message):
+    """A bucket that does not exist, or a URL of storage other than gs://: status 2 (no
+    retry helps), one line that says what is wrong."""
+    result = run_cli([*tiny_overrides, "run.steps=2", *args])
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert len([line for line in result.stderr.splitlines() if "cem-train" in line]) == 1
+
+
+def test_gcs_is_read_as_gs_and_an_export_to_a_url_is_refused(tiny_overrides, gcs_bucket,
+                                                              tmp_path):
+    """`gcs://` (gcsfs's other name) trains into the same run as `gs://`; cem-export's --out
+    is a local directory: a URL is refused in one line, nothing written."""
+    name = gcs_bucket.removeprefix("gs://")
+    trained = run_cli([*tiny_overrides, "run.steps=2", "run.sample_tokens=0",
+                       f"run.dir=gcs://{name}/runs/g"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert complete_steps(f"{gcs_bucket}/runs/g/checkpoints") == [2]
+    exported = subprocess.run([sys.executable, "-c", "import sys; from cem_jax.export.cli "
+                               "import main; sys.exit(main())", "--run", f"{gcs_bucket}/runs/g",
+                               "--format", "safetensors", "--out", f"{gcs_bucket}/export"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 1 and "is a URL" in exported.stderr, exported.stderr
+    assert not list(tmp_path.iterdir()) and not files.exists(f"{gcs_bucket}/export")
