@@ -303,7 +303,7 @@ def info(path: str) -> dict[str, Any]:
     fs.invalidate_cache()
     try:
         details = fs.info(bare)
-        modified = fs.modified(bare)
+        modified = details.get("mtime") or fs.modified(bare)  # gcsfs's info has it
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} does not exist") from None
     if modified.tzinfo is None:
