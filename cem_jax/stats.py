@@ -88,23 +88,29 @@ def holm(pvalues: Mapping[Hashable, float]) -> dict[Hashable, float]:
     return adjusted
 
 
-def equivalence_margin(n: int, sd: float, alpha: float = 0.05, power: float = 0.8) -> float:
+def equivalence_margin(n: int, sd: float, alpha: float = 0.05, power: float = 0.8,
+                       delta: float = 0.0) -> float:
     """The smallest margin that a TOST at level `alpha` over n paired seeds shows with
-    probability `power` when the true difference is 0 and the paired differences have standard
-    deviation `sd`: (t_{1-α, n-1} + t_{1-(1-power)/2, n-1}) · sd / √n (the t approximation of
-    Julious (2004), "Sample sizes for clinical trials with normal data", §4)."""
-    return float((scipy.stats.t.ppf(1 - alpha, n - 1)
-                  + scipy.stats.t.ppf(1 - (1 - power) / 2, n - 1)) * sd / math.sqrt(n))
+    probability `power` when the true difference is `delta` and the paired differences have
+    standard deviation `sd`: |delta| + (t_{1-α, n-1} + t_{q, n-1}) · sd / √n, with q = 1 -
+    (1 - power)/2 at delta = 0 (either one-sided test may fail) and q = power otherwise (the t
+    approximations of Julious (2004), "Sample sizes for clinical trials with normal data",
+    §4)."""
+    q = 1 - (1 - power) / 2 if delta == 0 else power
+    return float(abs(delta) + (scipy.stats.t.ppf(1 - alpha, n - 1) + scipy.stats.t.ppf(q, n - 1))
+                 * sd / math.sqrt(n))
 
 
-def seeds_for_equivalence(margin: float, sd: float, alpha: float = 0.05, power: float = 0.8
-                          ) -> int:
-    """The smallest number of paired seeds n >= 2 whose `equivalence_margin` is <= margin;
-    raises ValueError unless margin and sd are > 0."""
-    if margin <= 0 or sd <= 0:
-        raise ValueError(f"margin and sd must be > 0, got margin={margin}, sd={sd}")
+def seeds_for_equivalence(margin: float, sd: float, alpha: float = 0.05, power: float = 0.8,
+                          delta: float = 0.0) -> int:
+    """The smallest number of paired seeds n >= 2 whose `equivalence_margin` (at a true
+    difference `delta`) is <= margin; raises ValueError unless margin and sd are > 0 and
+    |delta| < margin."""
+    if margin <= 0 or sd <= 0 or abs(delta) >= margin:
+        raise ValueError(f"margin and sd must be > 0 and |delta| < margin, got margin={margin}, "
+                         f"sd={sd}, delta={delta}")
     n = 2
-    while equivalence_margin(n, sd, alpha, power) > margin:
+    while equivalence_margin(n, sd, alpha, power, delta) > margin:
         n += 1
     return n
 
@@ -120,17 +126,14 @@ def slope_interval(x: list[float], y: list[float], level: float = 0.95) -> Inter
     return Interval(float(fit.slope), float(fit.slope - half), float(fit.slope + half), len(x))
 
 
-def verdict(mean: float, separated: bool, equivalent: bool) -> str:
-    """The words of one comparison of bits per byte (lower is better): "matches" when
-    equivalence within the margin holds and no difference is shown; "matches (within the
-    margin, though lower|higher)" when both hold; "better"/"worse" when only the difference
-    is shown; "not separated" when neither is."""
-    if equivalent:
-        return "matches" if not separated else \
-            f"matches (within the margin, though {'lower' if mean < 0 else 'higher'})"
-    if separated:
-        return "better" if mean < 0 else "worse"
-    return "not separated"
+def verdict(low: float, high: float, equivalent: bool) -> str:
+    """The reading of one comparison of bits per byte (lower is better) from its 95% interval
+    [low, high] and its TOST: "worse" or "better" whenever the interval excludes 0 (", within
+    the margin" added when TOST shows equivalence too); "matches" only when the interval holds
+    0 and TOST shows equivalence; "not separated" when neither (the data do not decide)."""
+    if low > 0 or high < 0:
+        return ("worse" if low > 0 else "better") + (", within the margin" if equivalent else "")
+    return "matches" if equivalent else "not separated"
 
 
 def _stderr(diffs: list[float]) -> float:

@@ -28,6 +28,7 @@ import importlib
 _EXPORTS = {
     "DataConfig": "config", "Document": "formats_common", "FetchError": "shakespeare",
     "HELD_OUT_WORKS": "shakespeare", "MILTON_WORKS": "shakespeare",
+    "SELECTION_WORKS": "shakespeare",
     "fetch_archive": "shakespeare", "Source": "sources", "Tokenizer": "tokenizer",
     "HuggingFaceTokenizer": "tokenizer_hf", "SentencePieceTokenizer": "tokenizer_sentencepiece",
     "check_fits": "tokenizer", "find_tokenizer": "tokenizer",

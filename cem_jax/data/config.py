@@ -8,6 +8,7 @@ from typing import Any
 
 from cem_jax.config_files import require
 
+SELECTIONS = ("none", "excluded", "validation")  # DataConfig.selection
 MIN_VOCAB_SIZE = 261  # 4 special ids + 256 byte pieces + a character (sentencepiece's floor)
 # DataConfig fields that say where the data is cached, how fast it is read or how much of the
 # validation split is evaluated, not which tokens a run trains on (the archive is checked by its
@@ -35,6 +36,11 @@ class DataConfig:
     val_fraction: the fraction of the corpus's documents held out as its validation split (by
       a hash of each document's place: the same documents in every run), e.g. 0.01; 0: none.
       A tokenized dataset holds out its own fraction: give the same one.
+    selection: "none"; "excluded": the selection works of the built-in corpus
+      (`shakespeare.SELECTION_WORKS`) are left out of training; "validation": left out of
+      training and validated on in place of the held-out works. A study picks its learning
+      rates on runs with "validation" and reports runs with "excluded": both train on the same
+      works, and the choice never sees the reported split. Only for corpus "shakespeare".
     val_tokens: evaluate on the validation split's first whole documents up to this many
       tokens (null: all of it); the same documents in every run of the config.
     text_column: the field of a JSONL object, or the column of a Parquet file, holding a
@@ -63,6 +69,7 @@ class DataConfig:
     corpus: str = "shakespeare"
     val_corpus: str | None = None
     val_fraction: float = 0.0
+    selection: str = "none"
     val_tokens: int | None = None
     text_column: str = "text"
     tokenizer: str | None = None
@@ -118,6 +125,12 @@ class DataConfig:
                                            and self.corpus != "shakespeare"),
                 "val_fraction", self.val_fraction, "0 when val_corpus is set or the corpus "
                 "is 'shakespeare' (they have a validation split of their own)")
+        require(self.selection in SELECTIONS, "selection", self.selection,
+                f"one of {', '.join(SELECTIONS)}")
+        require(self.selection == "none" or (self.corpus == "shakespeare"
+                                             and self.val_corpus is None),
+                "selection", self.selection, "'none' unless the corpus is 'shakespeare' and "
+                "val_corpus is null (the selection works are works of the built-in corpus)")
         require(self.val_tokens is None or (_is_int(self.val_tokens) and self.val_tokens >= 1),
                 "val_tokens", self.val_tokens, "a positive integer or null")
         require(isinstance(self.text_column, str) and self.text_column.strip() != "",

@@ -2,8 +2,9 @@
 dataset opened as one packed stream (`load_tokens`).
 
 Splits. A run's "train" split is `cfg.corpus`; its "validation" split is `cfg.val_corpus`, the
-held-out works of the built-in corpus, or the documents held out of the corpus
-(`cfg.val_fraction`); "milton" is the built-in out-of-domain text. Each comes from a tokenized
+held-out works of the built-in corpus (or its selection works, `cfg.selection`), or the
+documents held out of the corpus (`cfg.val_fraction`); "milton" is the built-in out-of-domain
+text. Each comes from a tokenized
 dataset (`cem_jax.data.shards`): the one `cfg.corpus` names when it is a dataset folder
 (`cem-data tokenize --out`), else the source's, tokenized once into
 `cache_dir/tokens/<identity>/` (`cem_jax.data.tokenize`): no process tokenizes a dataset that
@@ -156,12 +157,15 @@ def source_of(cfg: DataConfig, split: str) -> Source:
     if spec is None:
         if cfg.corpus != "shakespeare":
             raise ValueError(no_validation(cfg))
-        return _builtin(cfg, "shakespeare", shakespeare.HELD_OUT_WORKS)
+        return _builtin(cfg, "shakespeare", shakespeare.SELECTION_WORKS
+                        if cfg.selection == "validation" else shakespeare.HELD_OUT_WORKS)
     if spec == "shakespeare":
         archive = fetch_archive(cfg)
         works = shakespeare.read_works(archive, shakespeare.SHAKESPEARE_DIR)
+        left_out = shakespeare.HELD_OUT_WORKS + (
+            shakespeare.SELECTION_WORKS if cfg.selection != "none" else ())
         return builtin_source("shakespeare", str(archive), tuple(
-            w for w in works if w not in shakespeare.HELD_OUT_WORKS))
+            w for w in works if w not in left_out))
     return user_source(spec, text_column=cfg.text_column,
                        allow_invalid_utf8=cfg.allow_invalid_utf8)
 

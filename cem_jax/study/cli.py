@@ -10,7 +10,8 @@ diverged run is a result (its file says so). SIGINT or SIGTERM goes to the run i
 which stops at a safe point and saves; the report is then written from the files so far and
 the command exits 75 (run it again to resume that run). Exit status: 0, or 1 when a run
 crashed, 2 for a bad study file, a record that is not one or that another study made (the
-message names the file), or a folder it cannot write; 75 when a signal stopped it.
+message names the file), a folder it cannot write, or a code tree with uncommitted changes to
+tracked files (a record names the commit that trained it); 75 when a signal stopped it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from cem_jax import exits
 from cem_jax.compare_report import step_flops
 from cem_jax.study.analysis import Results
 from cem_jax.study.plan import Study, flops_steps, load_study, plan
-from cem_jax.study.records import read_records, train_and_record
+from cem_jax.study.records import dirty_tree, read_records, train_and_record
 from cem_jax.study.report import write_report
 from cem_jax.train_config import load_config
 
@@ -42,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_writable(study.report.parent, "report")
         if not args.report_only:
             _check_writable(study.records, "records")
+            dirty = dirty_tree()
+            if dirty:
+                raise ValueError(f"cannot record runs: {dirty} (--report-only needs no clean "
+                                 "tree)")
         results = Results(study, read_records(study))
     except (ValueError, FileNotFoundError) as err:
         print(f"cem-study: {err}", file=sys.stderr)

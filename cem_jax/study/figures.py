@@ -4,8 +4,10 @@ seed bands where there are seeds.
 
 - curves: validation bits per byte against step and against training FLOPs, mean over the
   seeds with a min–max band;
-- sweep: final validation bits per byte of the sweep against the learning rate, diverged rates
-  marked;
+- sweep: final bits per byte of the sweep (on the split it validates on) against the learning
+  rate, diverged rates marked;
+- sweep curves: each sweep run's curve on that split, a panel per config, so that the choice
+  of rate can be audited;
 - sizes: bits per byte against parameters per config, and the paired gap to the baseline
   against training FLOPs with its 95% interval;
 - descent: the fraction of tokens whose energy went up across each CEM sub-layer's update, per
@@ -83,7 +85,7 @@ def plot_curves(results: Results, path: Path) -> bool:
 
 
 def plot_sweep(results: Results, path: Path) -> bool:
-    """Final validation bits per byte of each config's sweep against the learning rate; a
+    """Final bits per byte of each config's sweep (on its split) against the learning rate; a
     diverged rate is an × on the top edge. False without sweep runs."""
     study, plt = results.study, _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
@@ -106,11 +108,42 @@ def plot_sweep(results: Results, path: Path) -> bool:
     ax.set_xticks(tried, [rate_text(r) for r in tried])
     ax.minorticks_off()
     ax.set_xlabel("peak learning rate (log scale; × on the top edge: diverged)")
-    ax.set_ylabel("validation bits per byte (lower is better)")
+    ax.set_ylabel(f"{results.sweep_split()} bits per byte (lower is better)")
     ax.set_title(f"Learning-rate sweep: {study.sweep_steps} steps, seed {study.sweep_seed}",
                  fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_sweep_curves(results: Results, path: Path) -> bool:
+    """Bits per byte on the sweep's split against step for each rate of each config's sweep, a
+    panel per config (diverged runs: as far as they logged). False without sweep runs."""
+    study, plt = results.study, _pyplot()
+    names = [n for n in study.all_configs() if results.sweep_records(n)]
+    if not names:
+        return False
+    columns = min(3, len(names))
+    rows = -(-len(names) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), dpi=110,
+                             sharey=True, squeeze=False)
+    for ax, name in zip(axes.flat, names, strict=False):
+        records = dict(sorted(results.sweep_records(name).items()))
+        best = results.best_rate(name)
+        for i, (lr, rec) in enumerate(records.items()):
+            steps, values = zip(*rec["val_curve"], strict=True) if rec["val_curve"] else ((), ())
+            ax.plot(steps, values, marker=".", color=f"C{i}", linewidth=2.4 if lr == best else 1.2,
+                    label=f"lr {rate_text(lr)}" + (" (best)" if lr == best else ""))
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(f"{results.sweep_split()} bits per byte")
+    fig.suptitle(f"The learning-rate sweep's curves ({study.sweep_steps:,} steps, seed "
+                 f"{study.sweep_seed}), on the split the rate is chosen on", fontsize=10)
     return _save(fig, path)
 
 

@@ -5,10 +5,10 @@ A run is one config name ("shakespeare_cem", or "shakespeare_cem-d48" for a conf
 the trend) trained at one learning rate for some steps with one seed (`RunKey`). The plan, in
 the order it trains:
 
-1. the learning-rate sweep: every config at each rate of `sweep.rates` for `sweep.steps` with
-   `sweep.seed`; while the best rate is an edge of the rates tried, the next rate beyond it
-   (×2 or ÷2), up to `sweep.extend` rates added in all (the report marks a best rate still at
-   an edge);
+1. the learning-rate sweep: every config at each rate of `sweep.rates` (one grid, or a grid
+   per config) for `sweep.steps` with `sweep.seed` and `sweep.overrides`; while the best rate
+   is an edge of the rates tried, the next rate beyond it (the grid's ratio at that edge), up
+   to `sweep.extend` rates added in all (the report marks a best rate still at an edge);
 2. the seeds: every config at its best rate for `main.steps`, seeds 0..n-1 in rounds (seed 0
    of every config, then seed 1, ...), n from the power calculation (`Study.seeds`);
 3. equal FLOPs: each config of `flops_configs` for round(main.steps · F_baseline / F_config)
@@ -18,8 +18,10 @@ the order it trains:
    2. are reused).
 
 The best rate of a config is the rate of its lowest final validation bits per byte among its
-sweep runs (the same validation split as the study reports, at the sweep's shorter budget); a
-config whose sweep is not complete has no best rate yet, and none of its later runs are planned.
+sweep runs (the split the sweep's runs validate on: the reported one, unless `sweep.overrides`
+choose another, e.g. `data.selection=validation`); a config whose sweep is not complete has no
+best rate yet, and none of its later runs are planned. A sweep at the study's own steps uses a
+seed none of its reported runs use, so its runs stay apart from them.
 """
 
 from __future__ import annotations
@@ -73,13 +75,13 @@ class Study:
     planning_sd: float
     min_seeds: int
     baseline: str
-    control: str
+    control: str | None  # the baseline with the CEM rows' preconditioner, if the study has one
     configs: dict[str, Config]
     overrides: tuple[str, ...]
     sweep_steps: int
     sweep_eval_every: int
     sweep_seed: int
-    rates: tuple[float, ...]
+    rates: dict[str, tuple[float, ...]]  # config name (sizes included) -> its sweep's grid
     extend: int
     steps: int
     eval_every: int
@@ -89,13 +91,18 @@ class Study:
     sizes: dict[str, tuple[str, ...]]  # size label -> overrides (() for the configs as they are)
     note: str = ""  # what the study leaves out, said in its report
     margin_reason: str = ""  # why the margin is what it is, said in the report
+    sweep_overrides: tuple[str, ...] = ()  # the sweep's runs only, after `overrides`
+    assumed_delta: float = 0.0  # the true |Δ| the seed count is planned for
+    primary: tuple[str, str] | None = None  # (row, reference): the study's main question
+    primary_named: str = ""  # when the primary comparison was named (said beside it)
+    train_tokens: int | None = None  # the training split's tokens, for records that lack it
 
     @property
     def seeds(self) -> int:
-        """Seeds per config: the TOST power calculation for `margin` at `planning_sd`, at least
-        `min_seeds`."""
-        return max(self.min_seeds, seeds_for_equivalence(self.margin, self.planning_sd,
-                                                         self.alpha, self.power))
+        """Seeds per config: the TOST power calculation for `margin` at `planning_sd` and a
+        true difference `assumed_delta`, at least `min_seeds`."""
+        return max(self.min_seeds, seeds_for_equivalence(
+            self.margin, self.planning_sd, self.alpha, self.power, self.assumed_delta))
 
     def sized(self, name: str, size: str) -> str:
         """The name of config `name` at `size` ("" is the config itself)."""
@@ -115,8 +122,8 @@ class Study:
 
 FIELDS = {"margin", "alpha", "power", "planning_sd", "min_seeds", "records", "runs_dir", "report",
           "baseline", "control", "overrides", "configs", "sweep", "main", "sizes", "note",
-          "margin_reason"}
-SECTIONS = {"sweep": {"steps", "eval_every", "seed", "rates", "extend"},
+          "margin_reason", "assumed_delta", "primary", "train_tokens"}
+SECTIONS = {"sweep": {"steps", "eval_every", "seed", "rates", "extend", "overrides"},
             "main": {"steps", "eval_every", "flops_configs"},
             "sizes": {"configs", "seeds", "scales"}}
 HELP = "the fields are those of docs/study/study.yaml in the cem_jax repository"
@@ -206,13 +213,6 @@ def load_study(path: str | Path) -> Study:
                              f"runs in, {Path.cwd()})")
         if configs[name].parent == name:
             raise ValueError(f"{path}: configs.{name} names itself as its parent")
-    listed = get("sweep.rates", list, bool, "a non-empty list of learning rates")
-    try:
-        rates = tuple(sorted(_number(r) for r in listed))
-    except (TypeError, ValueError):
-        rates = ()
-    if not rates or min(rates) <= 0:
-        raise ValueError(f"{path}: sweep.rates {listed} must be learning rates > 0")
     sizes = {}
     for size, overrides in get("sizes.scales", dict, bool, "a mapping of size: overrides").items():
         try:
@@ -220,14 +220,29 @@ def load_study(path: str | Path) -> Study:
         except TypeError:
             raise ValueError(f"{path}: sizes.scales.{size} is {overrides!r}, not a list of "
                              "overrides (key=value strings)") from None
+    rates = _rates(path, spec.get("sweep", {}).get("rates"), [
+        *configs, *(f"{name}-{size}" for size, overrides in sizes.items() if overrides
+                    for name in spec.get("sizes", {}).get("configs", []))])
+    primary = None
+    if "primary" in spec:
+        entry = spec["primary"]
+        if not isinstance(entry, dict) or set(entry) != {"row", "ref", "named"}:
+            raise ValueError(f"{path}: primary must be {{row: CONFIG, ref: CONFIG, named: "
+                             "WHEN}} (the comparison the study answers, and when it was named)")
+        primary = (get("primary.row"), get("primary.ref"))
     study = Study(
         path=path, records=Path(get("records")), runs_dir=str(get("runs_dir")),
         report=Path(get("report")), margin=get("margin", _number, *positive),
         alpha=get("alpha", _number, *fraction), power=get("power", _number, *fraction),
         planning_sd=get("planning_sd", _number, *positive),
         min_seeds=get("min_seeds", _integer, lambda v: v >= 2, ">= 2"),
-        baseline=get("baseline"), control=get("control"), configs=configs,
-        overrides=get("overrides", _texts, default=[]),
+        baseline=get("baseline"), control=get("control", default="") or None,
+        configs=configs, overrides=get("overrides", _texts, default=[]),
+        sweep_overrides=get("sweep.overrides", _texts, default=[]),
+        assumed_delta=get("assumed_delta", _number, lambda v: v >= 0, ">= 0", default=0.0),
+        primary=primary, primary_named=get("primary.named", default="") if primary else "",
+        train_tokens=get("train_tokens", _integer, lambda v: v > 0 or "train_tokens" not in spec,
+                         "> 0", default=0) or None,
         sweep_steps=get("sweep.steps", _integer, *positive),
         sweep_eval_every=get("sweep.eval_every", _integer, *positive),
         sweep_seed=get("sweep.seed", _integer, lambda v: v >= 0, ">= 0"), rates=rates,
@@ -239,15 +254,23 @@ def load_study(path: str | Path) -> Study:
                                                                  *positive),
         sizes=sizes, note=" ".join(get("note", default="").split()),
         margin_reason=" ".join(get("margin_reason", default="").split()))
-    if study.steps == study.sweep_steps:
-        raise ValueError(f"{path}: main.steps and sweep.steps must differ (a run is named by "
-                         "its steps)")
-    named = {study.baseline, study.control, *study.flops_configs, *study.size_configs,
+    if study.assumed_delta >= study.margin:
+        raise ValueError(f"{path}: assumed_delta {study.assumed_delta} must be below the margin "
+                         f"{study.margin} (no number of seeds shows equivalence at a true "
+                         "difference as large as the margin)")
+    if study.steps == study.sweep_steps and study.sweep_seed < study.seeds:
+        raise ValueError(f"{path}: sweep.seed {study.sweep_seed} is one of the reported seeds "
+                         f"0-{study.seeds - 1}, and the sweep has their steps: give the sweep "
+                         f"a seed >= {study.seeds} (a run is named by its rate, steps and seed)")
+    named = {study.baseline, *([study.control] if study.control else []),
+             *study.flops_configs, *study.size_configs, *(primary or []),
              *(c.parent for c in configs.values() if c.parent)}
     unknown = sorted(named - set(configs))
     if unknown:
         raise ValueError(f"{path}: {unknown[0]} is named but is not one of its configs "
                          f"({', '.join(configs)})")
+    if primary and primary[0] == primary[1]:
+        raise ValueError(f"{path}: primary compares {primary[0]} with itself")
     if study.control == study.baseline:
         raise ValueError(f"{path}: control is the baseline {study.baseline}; it must be another "
                          "config (the baseline with the CEM rows' preconditioner)")
@@ -260,28 +283,58 @@ def load_study(path: str | Path) -> Study:
     return study
 
 
+def _rates(path: Path, listed, names: list[str]) -> dict[str, tuple[float, ...]]:
+    """{config: its sweep's rates, ascending} from `sweep.rates`: one list for every config,
+    or a mapping with a list for each of `names` (the configs, and each at each size); raises
+    ValueError naming what is missing or not a rate."""
+    if listed is None:
+        raise ValueError(f"{path}: sweep.rates is missing; {HELP}")
+    grids = listed if isinstance(listed, dict) else {name: listed for name in names}
+    missing = [name for name in names if name not in grids]
+    if missing or set(grids) - set(names):
+        wrong = missing[0] if missing else sorted(set(grids) - set(names))[0]
+        raise ValueError(f"{path}: sweep.rates {'has no list for' if missing else 'names'} "
+                         f"{wrong}; give one list of rates for every config, or a list for "
+                         f"each of {', '.join(names)}")
+    found = {}
+    for name, grid in grids.items():
+        try:
+            found[name] = tuple(sorted(_number(r) for r in grid))
+        except TypeError:
+            found[name] = ()
+        if not found[name] or min(found[name]) <= 0:
+            raise ValueError(f"{path}: sweep.rates {grid!r} must be a list of learning rates "
+                             "> 0" + (f" (for {name})" if isinstance(listed, dict) else ""))
+    return found
+
+
 def rate_text(lr: float) -> str:
     """A rate as the study writes it in names: 0.01 → "1e-2", 0.0025 → "2.5e-3"."""
     mantissa, exponent = f"{lr:e}".split("e")
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
-def sweep_rates(study: Study, results: Mapping[float, float | None]) -> list[float]:
-    """The rates of one config's sweep given its results so far ({rate: final validation bits
-    per byte, None if it diverged}): the grid and, while the best rate is at an edge of the
-    rates so far (or every rate diverged: the lower edge), the next ×2 or ÷2 beyond it, up to
-    `extend` rates added in all."""
-    rates = list(study.rates)
+def sweep_rates(study: Study, name: str, results: Mapping[float, float | None]
+                ) -> list[float]:
+    """The rates of config `name`'s sweep given its results so far ({rate: final validation
+    bits per byte, None if it diverged}): its grid and, while the best rate is at an edge of
+    the rates so far (or every rate diverged: the lower edge), the next rate beyond it by the
+    grid's ratio at that edge (×2 or ÷2 for a grid of one rate), up to `extend` rates added in
+    all (rounded to 3 significant digits, as a study file would write them)."""
+    grid = study.rates[name]
+    up = grid[-1] / grid[-2] if len(grid) > 1 else 2.0
+    down = grid[1] / grid[0] if len(grid) > 1 else 2.0
+    rates = list(grid)
     for _ in range(study.extend):
         if any(r not in results for r in rates):
             break
         best = best_rate(rates, results)
         if best is None:  # every rate diverged
-            rates.insert(0, rates[0] / 2)
+            rates.insert(0, float(f"{rates[0] / down:.3g}"))
         elif best == rates[-1]:
-            rates.append(rates[-1] * 2)
+            rates.append(float(f"{rates[-1] * up:.3g}"))
         elif best == rates[0]:
-            rates.insert(0, rates[0] / 2)
+            rates.insert(0, float(f"{rates[0] / down:.3g}"))
         else:
             break
     return rates
@@ -304,7 +357,7 @@ def plan(study: Study, sweeps: Mapping[str, Mapping[float, float | None]],
     best, sweep = {}, {}
     for name in study.all_configs():
         results = sweeps.get(name, {})
-        rates = sweep_rates(study, results)
+        rates = sweep_rates(study, name, results)
         sweep[name] = [RunKey(name, r, study.sweep_steps, study.sweep_seed) for r in rates]
         best[name] = best_rate(rates, results)
     runs = [k for name in study.configs for k in sweep[name]]

@@ -4,6 +4,12 @@ report (`read_records`). A run whose file exists is never trained again.
 
 A record holds:
   name, lr, steps, seed, config (the file), cem_train_args (after --config): what ran;
+  resolved_config: the run's config.yaml as cem-train resolved it (every field);
+  data: the tokenizer's SHA-256 and, per split ("train", "validation", and "milton" for runs
+    past the sweep), its tokenized dataset's identity (the manifest's hash of source,
+    tokenizer and layout) with its description, documents, tokens and bytes;
+  eval_split: "validation", or "selection" for a run validated on the selection works
+    (`data.selection=validation`): what `val` and `val_curve` measure;
   status: "ok" or "diverged" (cem-train stopped on a non-finite loss, exit status 3);
   params, training_flops: of the config (analytic `flops_per_token` × tokens);
   val: the final validation {"loss" (nats/token), "perplexity", "bits_per_byte"} (whole
@@ -13,16 +19,24 @@ A record holds:
     where non-finite);
   tokens_per_s: median over the training log windows after the first tenth of the steps;
   wall_s: of the cem-train processes;
-  ood_bits_per_byte: on the out-of-domain text ("milton") — runs past the sweep only;
+  ood_bits_per_byte, ood_loss: on the out-of-domain text ("milton"), bits per byte and nats
+    per token — runs past the sweep only;
   descent, descent_init: for a config with a tied sub-layer, runs past the sweep only, the
     energy descent statistics on the first validation batches of the trained parameters and
     of the same seed's initial ones (`cem_jax.monitor.descent_statistics`);
-  ran: {"date" (UTC, of its last step), "machine", "cores", "jax", "backend", "commit"}.
+  ran: {"date" (UTC, of its last step), "machine", "cores", "backend", "commit", and the
+    versions of jax, jaxlib, flax, optax, orbax-checkpoint, grain and numpy}.
+
+The runs of records written since `resolved_config` came in were trained from a clean tree:
+cem-study refuses to train one from a tree whose tracked files differ from its commit
+(`dirty_tree`), so each record's commit is the code that trained it (earlier records may name
+a "-dirty" commit).
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -32,11 +46,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import yaml
 from flax import nnx
 
 from cem_jax.compare_report import param_counts, step_flops
 from cem_jax.compare_runs import RunSpec, read_metrics, train_one
-from cem_jax.data import files, make_eval_batches
+from cem_jax.data import files, find_tokenizer, load_tokenizer, load_tokens, make_eval_batches
+from cem_jax.data.shards import read_manifest
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run
 from cem_jax.exits import ExitStatus
 from cem_jax.fileio import atomic_file
@@ -47,6 +63,7 @@ from cem_jax.study.plan import RunKey, Study, rate_text
 from cem_jax.train.metrics import logged_records
 
 DESCENT_BATCHES = 4
+VERSIONS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 
 
 def record_path(study: Study, key: RunKey) -> Path:
@@ -97,10 +114,13 @@ def _made_otherwise(rec: dict, config: str, args: list[str]) -> str:
 
 def run_spec(study: Study, key: RunKey) -> RunSpec:
     """The cem-train run of `key`: in RUNS_DIR/lr<rate>/<name>/steps<N>_seed<s>, with the
-    study's overrides, the config's own (a size of the trend) and optimizer.lr."""
+    study's overrides, the sweep's (a sweep run), the config's own (a size of the trend) and
+    optimizer.lr."""
     config = study.all_configs()[key.name]
-    eval_every = study.sweep_eval_every if key.steps == study.sweep_steps else study.eval_every
-    overrides = [*study.overrides, *config.overrides, f"optimizer.lr={key.lr}"]
+    sweep = key.steps == study.sweep_steps and key.seed == study.sweep_seed
+    eval_every = study.sweep_eval_every if sweep else study.eval_every
+    overrides = [*study.overrides, *(study.sweep_overrides if sweep else ()), *config.overrides,
+                 f"optimizer.lr={key.lr}"]
     return RunSpec.make(key.name, config.file, key.steps, key.seed, eval_every,
                         files.join(study.runs_dir, f"lr{rate_text(key.lr)}"), overrides)
 
@@ -126,6 +146,10 @@ def _record(study: Study, key: RunKey, spec: RunSpec, row: dict) -> dict:
     train = {r["step"]: r for r in logged_records(run_dir) if r["kind"] == "train"}
     rec = {"name": key.name, "lr": key.lr, "steps": key.steps, "seed": key.seed,
            "config": config.file, "cem_train_args": list(spec.args),
+           "resolved_config": yaml.safe_load(files.read_text(files.join(run_dir,
+                                                                        "config.yaml"))),
+           "data": _data_identity(run_dir, cfg, key.steps != study.sweep_steps),
+           "eval_split": "selection" if cfg.data.selection == "validation" else "validation",
            "status": "ok" if row["ok"] else "diverged",
            "params": param_counts(cfg)["total"], "training_flops": key.steps * step_flops(cfg),
            "val": {k: row["eval"][k] for k in ("loss", "perplexity")} if row["ok"] else None,
@@ -138,8 +162,8 @@ def _record(study: Study, key: RunKey, spec: RunSpec, row: dict) -> dict:
         rec["val"]["bits_per_byte"] = bits_per_byte_of(row["eval"])
     if row["ok"] and key.steps != study.sweep_steps:
         run = load_run(run_dir)
-        rec["ood_bits_per_byte"] = bits_per_byte_of(evaluate_run(run, corpus="milton",
-                                                                 progress=False))
+        ood = evaluate_run(run, corpus="milton", progress=False)
+        rec["ood_bits_per_byte"], rec["ood_loss"] = bits_per_byte_of(ood), ood["loss"]
         if cfg.model.kinds != ("llama_attention", "swiglu"):
             data = make_eval_batches(cfg.data, run.tokenizer, "validation")
             sample = [data[i] for i in range(min(DESCENT_BATCHES, len(data)))]
@@ -149,6 +173,36 @@ def _record(study: Study, key: RunKey, spec: RunSpec, row: dict) -> dict:
             rec["descent_init"] = _json(descent_statistics(cfg.model, init, sample))
             rec["descent_tokens"] = int(sum(np.sum(b["weights"] > 0) for b in sample))
     return rec
+
+
+def _data_identity(run_dir: str, cfg, milton: bool) -> dict:
+    """The tokenizer's SHA-256 and each split's dataset identity and size (module docstring);
+    Milton's only for a run evaluated on it (`milton`)."""
+    tokenizer = load_tokenizer(find_tokenizer(run_dir))
+    found = {"tokenizer_sha256": tokenizer.sha256}
+    for split in ("train", "validation", *(["milton"] if milton else [])):
+        tokens = load_tokens(cfg.data, tokenizer, split)
+        found[split] = {"identity": read_manifest(tokens.root).identity,
+                        "description": tokens.description, "documents": tokens.stats.documents,
+                        "tokens": tokens.stats.tokens, "bytes": tokens.stats.bytes}
+    return found
+
+
+def dirty_tree(code: Path = Path(__file__).parent) -> str:
+    """Why the tree holding `code` (this package) cannot record runs: its tracked files differ
+    from its commit ("" when they do not; a tree that is not a git checkout says so)."""
+    try:
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, check=True,
+                                 cwd=code).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        return (f"the code in {code} is not in a git checkout, so a record could not name the "
+                "commit that trained it")
+    changed = [line[3:] for line in changed if line.strip()]
+    verb = "differs" if len(changed) == 1 else "differ"
+    return (f"{len(changed)} tracked file{'s' * (len(changed) != 1)} {verb} from the commit "
+            f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): commit or stash "
+            "them, so that each record names the code that trained its run") if changed else ""
 
 
 def _json(stats: dict) -> dict:
@@ -172,7 +226,15 @@ def _ran(finished: float) -> dict:
     date = datetime.datetime.fromtimestamp(finished, datetime.UTC)
     return {"date": date.strftime("%Y-%m-%d %H:%M UTC"),
             "machine": _cpu() or platform.machine(), "cores": os.cpu_count(),
-            "jax": jax.__version__, "backend": jax.default_backend(), "commit": commit}
+            "jax": jax.__version__, "backend": jax.default_backend(), "commit": commit,
+            "versions": {name: _version(name) for name in VERSIONS}}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _cpu() -> str:

@@ -1,7 +1,9 @@
 """The study's report (`write_report`): a Markdown file regenerated from the records alone, with
-its figures (`cem_jax.study.figures`) beside it. Every sentence of its reading is made from a
-number in its tables; its summary (between SUMMARY_START and SUMMARY_END) is the one the README
-quotes.
+its figures (`cem_jax.study.figures`) beside it. It opens with the scale the runs speak for;
+every comparison states its direction and size first (bits per byte with its 95% interval, % of
+the reference, per-token perplexity ratio), then its reading, with the same comparison on
+Milton beside it. Every sentence of its reading is made from a number in its tables; the line
+after PRIMARY (the study's primary comparison) is the one the README quotes.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from cem_jax.study.analysis import (
 from cem_jax.study.plan import RunKey, Study, rate_text
 from cem_jax.train_config import load_config
 
-SUMMARY_START = "<!-- summary: the README quotes the lines up to the end marker -->"
+SUMMARY_START = "<!-- summary -->"
 SUMMARY_END = "<!-- end of summary -->"
+PRIMARY = "<!-- primary: the README quotes the next line -->"
 
 
 def write_report(study: Study, results: Results, planned: list[RunKey],
@@ -45,60 +48,89 @@ def write_report(study: Study, results: Results, planned: list[RunKey],
     out = study.report
     out.parent.mkdir(parents=True, exist_ok=True)
     sizes = _sizes(results)
+    flops_pairs = main_pairs(results, dict(flops_steps)) if flops_steps else []
     tables, tests = compare({
-        "main": main_pairs(results),
-        "flops": main_pairs(results, dict(flops_steps)) if flops_steps else [],
+        "main": main_pairs(results), "flops": flops_pairs,
         "sizes": [Pair(study.sized(n, size), by_name[n]["values"],
                        study.sized(study.baseline, size), by_name[study.baseline]["values"],
                        by_name[n]["diverged"] | by_name[study.baseline]["diverged"],
                        max(0, study.size_seeds - min(by_name[n]["runs"],
-                                                     by_name[study.baseline]["runs"])))
+                                                     by_name[study.baseline]["runs"])),
+                       results.bytes_per_token(study.sized(study.baseline, size)))
                   for size, by_name in sizes.items() for n in study.size_configs
                   if n != study.baseline]}, study.margin, study.alpha)
+    milton, milton_tests = compare({
+        "main": main_pairs(results, split="milton"),
+        "flops": main_pairs(results, dict(flops_steps), "milton") if flops_steps else []},
+        study.margin, study.alpha)
     main, flops, size_cmp = tables["main"], tables["flops"], tables["sizes"]
-    lines = [f"# The CEM study: {', '.join(study.configs)}", "",
-             f"Regenerated from the per-run files in `{study.records}` by", "", "```bash",
-             command, "```", "",
-             "which first trains every planned run that has no file there, so the study "
-             "completes over as many invocations as it needs (`--report-only` regenerates the "
-             "report without training).", ""]
-    lines += _what_ran(study, results, planned, main, tests)
+    lines = [f"# The CEM study: {', '.join(study.configs)}", ""]
+    lines += _scale(study, results)
+    lines += [f"Regenerated from the per-run files in `{study.records}` by", "", "```bash",
+              command, "```", "",
+              "which first trains every planned run that has no file there, so the study "
+              "completes over as many invocations as it needs (`--report-only` regenerates the "
+              "report without training).", ""]
     slopes = _slopes(study, sizes)
-    lines += _summary(study, main, flops, size_cmp, slopes)
+    lines += _summary(study, results, main, flops, size_cmp, slopes, milton)
+    lines += _what_ran(study, results, planned, main, tests, milton_tests)
     lines += _sweep(study, results, out)
-    lines += _table(study, results, f"## Equal steps ({study.steps:,} steps)", {}, main, out,
-                    "curves")
+    lines += _table(study, results, f"## Equal steps ({study.steps:,} steps)", {}, main,
+                    milton["main"], out, "curves")
     if flops_steps:
         title = (f"## Equal training FLOPs (those of {study.baseline} at {study.steps:,} "
                  "steps: a config's steps = round(steps · F_baseline / F_config), F the "
                  "analytic training FLOPs per step)")
-        lines += _table(study, results, title, flops_steps, flops, None, None)
+        lines += _table(study, results, title, flops_steps, flops, milton["flops"], None, None)
     lines += _sizes_table(study, sizes, size_cmp, slopes, results, out)
     lines += _descent(study, results, out)
     lines += _reading(study, results, main, flops, size_cmp, slopes)
     out.write_text("\n".join(lines))
 
 
+def _scale(study: Study, results: Results) -> list[str]:
+    """The caveat that opens the report: the sizes, tokens per parameter and epochs the runs
+    speak for, and what they do not."""
+    recs = [r for k, r in results.records.items() if k.steps == study.steps]
+    if not recs:
+        return []
+    cfg = load_config(study.configs[study.baseline].file, list(study.overrides))
+    tokens = study.steps * cfg.data.batch_size * cfg.data.seq_len
+    params = sorted({r["params"] for r in recs})
+    split = next((r["data"]["train"]["tokens"] for r in recs if "data" in r), study.train_tokens)
+    epochs = (f", {tokens / split:.1f} passes over the {split / 1e6:.2f}M-token training split"
+              if split else "")
+    return [f"**Scale.** Models of {params[0] / 1e6:.2f}M to {params[-1] / 1e6:.2f}M parameters, "
+            f"each trained {study.steps:,} steps of {cfg.data.batch_size} × "
+            f"{cfg.data.seq_len} tokens ({tokens / 1e6:.1f}M tokens: "
+            f"{tokens / params[-1]:.1f} to {tokens / params[0]:.1f} tokens per parameter"
+            f"{epochs}), on one corpus of Shakespeare. The paper's claims are about "
+            "Transformers of ~100M parameters and more, trained on billions of tokens; nothing "
+            "here speaks to that scale, where a gap seen here may grow, shrink or reverse.", ""]
+
+
 def _what_ran(study: Study, results: Results, planned: list[RunKey],
-              main: list[Comparison], tests: int) -> list[str]:
+              main: list[Comparison], tests: int, milton_tests: int) -> list[str]:
     recs = list(results.records.values())
     done = [k for k in planned if k in results.records]
     core = study.configs
-    parts = {"the learning-rate sweep": lambda k: k.name in core and k.steps == study.sweep_steps,
+    sweep = (lambda k: k.steps == study.sweep_steps and k.seed == study.sweep_seed)
+    parts = {"the learning-rate sweep": lambda k: k.name in core and sweep(k),
              "the seeds at each config's best rate": lambda k: k.name in core
-             and k.steps == study.steps,
+             and k.steps == study.steps and not sweep(k),
              "equal FLOPs": lambda k: k.name in core
              and k.steps not in (study.steps, study.sweep_steps),
              "the size trend (its sweeps included)": lambda k: k.name not in core}
     progress = "; ".join(f"{part} {sum(map(test, done))} of {sum(map(test, planned))}"
-                         for part, test in parts.items())
+                         for part, test in parts.items() if any(map(test, planned)))
     ran = sorted({r["ran"]["date"] for r in recs})
     machines = sorted({f"{r['ran']['machine']} ({r['ran']['cores']} cores, "
                        f"{r['ran']['backend']}, jax {r['ran']['jax']})" for r in recs})
     commits = sorted({r["ran"]["commit"] for r in recs})
-    n_plan = seeds_for_equivalence(study.margin, study.planning_sd, study.alpha, study.power)
-    sds = [statistics.stdev(differences(results.values(c.row), results.values(c.ref)))
-           for c in main if c.n >= 3]
+    dirty = sum(r["ran"]["commit"].endswith("-dirty") for r in recs)
+    n_plan = seeds_for_equivalence(study.margin, study.planning_sd, study.alpha, study.power,
+                                   study.assumed_delta)
+    sds = [c.sd for c in main if c.n >= 3]
     complete = len(done) == len(planned)
     so_far = "" if complete else " so far"
     observed = ""
@@ -110,71 +142,130 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
                      "median" if len(sds) > 1 else
                      f" The paired standard deviation observed{so_far}, in the one comparison of "
                      f"the equal-steps table with ≥ 3 seeds, is {sd:.4f} bits/byte; at that sd")
-                    + f", {study.seeds} seeds give {study.power:.0%} power for a margin of "
-                    f"±{equivalence_margin(study.seeds, sd, study.alpha, study.power):.3f}.")
+                    + f", {study.seeds} seeds give {study.power:.0%} power (at a true difference "
+                    f"of {study.assumed_delta:g}) for a margin of ±"
+                    f"{equivalence_margin(study.seeds, sd, study.alpha, study.power, study.assumed_delta):.3f}.")
     status = ("The study is complete." if complete else
               f"**The study is not complete**: {_count(len(planned) - len(done), 'planned run')}"
               f" {'has' if len(planned) - len(done) == 1 else 'have'} no file yet, and later "
               "parts are planned only once the sweep they depend on is done; every table holds "
               "the runs recorded so far, and each comparison states its seeds.")
+    records = (f" {dirty} of the {len(recs)} records name a commit with uncommitted changes "
+               "(\"-dirty\"): their code is not exactly the commit's." if dirty else
+               " Every record names the clean commit that trained it.") if recs else ""
+    q = "₁₋β/₂" if study.assumed_delta == 0 else "₁₋β"
     return ["## What ran", "",
             f"Runs recorded: {len(done)} of the {len(planned)} planned now ({progress}). "
             + status, "", *([study.note, ""] if study.note else []),
             f"Trained {ran[0]} to {ran[-1]} ({sum(r['wall_s'] for r in recs) / 3600:.1f} hours "
             f"of training in all, the sum of the runs' wall times) on {'; '.join(machines)}, code "
-            f"{', '.join(commits)}. Tokens/s were measured on shared machines, whose speed may "
-            "differ between sessions, and are indicative only (`benchmarks/train_step.py` "
-            "times configs side by side)." if ran else "No run is recorded yet.", "",
-            f"Stated before any run: the equivalence margin is ±{study.margin} bits/byte and "
-            f"the level α = {study.alpha}. "
+            f"{', '.join(commits)}.{records} Tokens/s were measured on shared machines, whose "
+            "speed may differ between sessions, and are indicative only "
+            "(`benchmarks/train_step.py` times configs side by side)." if ran else
+            "No run is recorded yet.", "",
+            f"Stated before any run: the equivalence margin is ±{study.margin} bits/byte "
+            f"({_margin_units(study, results)}) and the level α = {study.alpha}. "
             + (study.margin_reason + " " if study.margin_reason else "")
-            + f"With a planning paired sd of {study.planning_sd} "
-            f"bits/byte, a TOST shows equivalence at a true difference of 0 with "
-            f"{study.power:.0%} power from n = {n_plan} seeds (the first n with "
-            "(t₁₋α,ₙ₋₁ + t₁₋β/₂,ₙ₋₁)·sd/√n ≤ margin, Julious 2004); the study trains "
+            + f"With a planning paired sd of {study.planning_sd} bits/byte and a true "
+            f"difference of {study.assumed_delta:g}, a TOST shows equivalence with "
+            f"{study.power:.0%} power from n = {n_plan} seeds (the first n with |Δ| + "
+            f"(t₁₋α,ₙ₋₁ + t{q},ₙ₋₁)·sd/√n ≤ margin, Julious 2004); the study trains "
             f"{study.seeds} seeds per config (at least {study.min_seeds})." + observed, "",
             "Each run: `run.seed = data.seed = seed` (model init and data order). Validation "
             f"is {_validation(study)}, after the last step. Δ: row − reference paired by "
             "seed over the seeds both have that did not diverge, mean [95% t-interval, not "
-            "adjusted]. p: the two-sided paired t-test, raw and (in parentheses) "
-            f"Holm-adjusted over the {tests} distinct comparisons of this report (a comparison "
-            "shown in two tables on the same runs is one test and reads the same in both; an "
-            "interval that excludes 0 may still read not separated); TOST p: the larger of "
-            f"the two one-sided tests of Δ ≤ −{study.margin} and Δ ≥ +{study.margin}, not "
-            "adjusted (each equivalence is a claim about its own pair at level α, the level "
-            f"the seed count is planned for): it is below α exactly when the "
-            f"{1 - 2 * study.alpha:.0%} t-interval, shown beside the 95% one, lies inside "
-            f"±{study.margin}. Words: **matches** "
-            "when TOST p < α and the adjusted p ≥ α; **matches (within the margin, though "
-            "lower/higher)** when both are < α; **better**/**worse** when only the adjusted p "
-            "is < α (lower bits per byte is better); **not separated** when neither is (the "
+            "adjusted], then as a percentage of the reference's bits per byte and as the ratio "
+            "of per-token perplexities, 2^(Δ · bytes per token) (the split's bytes per token "
+            "from the runs' loss and bits per byte). p: the two-sided paired t-test, raw and "
+            f"(in parentheses) Holm-adjusted over the {tests} distinct in-domain comparisons of "
+            f"this report (and over the {milton_tests} on Milton, a family of their own; a "
+            "comparison shown in two tables on the same runs is one test and reads the same in "
+            "both); TOST p: the larger of the two one-sided tests of "
+            f"Δ ≤ −{study.margin} and Δ ≥ +{study.margin}, not adjusted: it is below α exactly "
+            f"when the {1 - 2 * study.alpha:.0%} t-interval, shown beside the 95% one, lies "
+            f"inside ±{study.margin}. Non-inferiority: that interval's upper bound is below "
+            f"+{study.margin} (Δ < margin, one-sided at level α). Words, from the 95% interval "
+            "first: **worse**/**better** whenever it excludes 0 (higher/lower bits per byte), "
+            "with **, within the margin** added when TOST p < α too; **matches** only when it "
+            "holds 0 and TOST p < α; **not separated** when it holds 0 and TOST p ≥ α (the "
             "data do not decide); headed **interim:** while a side lacks planned seeds (the "
-            "reading may change as they come). Stability: a run diverges when its loss "
-            "becomes non-finite or ends above its value at step 100 (the latter only for runs "
-            "past step 100; a diverged run is left out of its comparisons, which say so); "
-            f"spikes: how many times the logged loss rose more than {SPIKE_NATS} nats "
+            "reading may change as they come). A difference the raw interval shows may not "
+            "survive Holm's adjustment: its adjusted p is beside it. Stability: a run diverges "
+            "when its loss becomes non-finite or ends above its value at step 100 (the latter "
+            "only for runs past step 100; a diverged run is left out of its comparisons, which "
+            f"say so); spikes: how many times the logged loss rose more than {SPIKE_NATS} nats "
             "above its running minimum (a run of such steps counts once; every step is "
             "logged).", ""]
 
 
-def _summary(study: Study, main: list[Comparison], flops: list[Comparison],
-             size_cmp: list[Comparison], slopes: list[str]) -> list[str]:
-    lines = [SUMMARY_START]
+def _margin_units(study: Study, results: Results) -> str:
+    """The margin as a percentage of the baseline's bits per byte and as a per-token perplexity
+    ratio, where the baseline has runs."""
+    values = results.values(study.baseline)
+    per_token = results.bytes_per_token(study.baseline)
+    if not values or per_token is None:
+        return "its size relative to the baseline is given once the baseline has runs"
+    mean = statistics.fmean(values.values())
+    return (f"{100 * study.margin / mean:.1f}% of the baseline's {mean:.3f}; ×"
+            f"{2 ** (study.margin * per_token):.3f} in per-token perplexity at the validation "
+            f"split's {per_token:.2f} bytes per token")
+
+
+def _line(c: Comparison, milton: Mapping[str, Comparison], alpha: float) -> str:
+    """A comparison's size first, its reading (and a Holm-adjusted p that does not confirm a
+    difference its interval shows), and the same comparison on Milton."""
+
+    def reading(c: Comparison) -> str:
+        unconfirmed = (c.low > 0 or c.high < 0) and c.p_holm >= alpha
+        return f"**{c.words}**" + (f" (Holm p {c.p_holm:.2g})" if unconfirmed else "")
+
+    line = f"{c.size()}, {c.n} seeds: {reading(c)}"
+    ood = milton.get(c.key)
+    if ood is not None:
+        line += f"; on Milton, {ood.size()}: {reading(ood)}"
+    return line
+
+
+def _summary(study: Study, results: Results, main: list[Comparison], flops: list[Comparison],
+             size_cmp: list[Comparison], slopes: list[str],
+             milton: Mapping[str, list[Comparison]]) -> list[str]:
+    same_tests = {(c.key, c.mean, c.n) for c in main}  # a FLOPs row on the equal-steps runs
+    by_key = {c.key: c for c in milton["main"]}
+    flops_ood = {c.key: c for c in milton["flops"]}
     trend = f"the size trend ({study.steps:,} steps, seeds 0–{study.size_seeds - 1})"
-    wanted = [(c, f"{study.steps:,} steps") for c in main]
-    wanted += [(c, "equal training FLOPs") for c in flops if c.ref == study.baseline
-               and c not in main]  # a config whose FLOPs are the baseline's: its line is above
-    wanted += [(c, trend) for c in size_cmp]
-    if not wanted:
-        lines.append("No comparison has two seeds yet.")
-    for c, budget in wanted:
-        lines.append(f"- {c.key}, {budget}: **{c.words}**, Δ {c.mean:+.4f} bits/byte, 95% "
-                     f"[{c.low:+.4f}, {c.high:+.4f}], {1 - 2 * study.alpha:.0%} "
-                     f"[{c.low90:+.4f}, {c.high90:+.4f}], over {c.n} seeds.")
-    lines += slopes
-    return ["## Summary", "", f"Margin ±{study.margin} bits/byte; Δ: row − reference with its "
-            f"95% and {1 - 2 * study.alpha:.0%} intervals (the latter inside the margin: "
-            "equivalence); words as defined above.", "", *lines, SUMMARY_END, ""]
+    wanted = [(c, f"{study.steps:,} steps", by_key) for c in main]
+    wanted += [(c, "equal training FLOPs", flops_ood) for c in flops
+               if (c.key, c.mean, c.n) not in same_tests]
+    wanted += [(c, trend, {}) for c in size_cmp]
+    lines = [f"- {c.key}, {budget}: {_line(c, ood, study.alpha)}." for c, budget, ood in wanted]
+    primary = []
+    if study.primary:
+        found = next((c for c in main if (c.row, c.ref) == study.primary), None)
+        row, ref = study.primary
+        primary = [PRIMARY, f"**Primary** ({study.primary_named}): {row} vs {ref}, "
+                   f"{study.steps:,} steps: " + (_primary(study, found, by_key.get(found.key))
+                                                 if found else "no two seeds in common yet."),
+                   ""]
+    return ["## Summary", "",
+            f"Margin ±{study.margin} bits/byte ({_margin_units(study, results)}). Each line: Δ "
+            "= row − reference, its direction and size first, then its reading (defined under "
+            "What ran), and the same comparison on Milton (out of domain) where the runs were "
+            "evaluated there; a Holm-adjusted p is given where it does not confirm a difference "
+            "the interval shows.", "", *primary, SUMMARY_START,
+            *(lines or ["No comparison has two seeds yet."]), *slopes, SUMMARY_END, ""]
+
+
+def _primary(study: Study, c: Comparison, ood: Comparison | None) -> str:
+    """The primary comparison: its estimate and reading, then equivalence and non-inferiority
+    at the margin, then Milton."""
+    tost = "shown" if c.tost < study.alpha else "not shown"
+    inferior = "shown" if c.high90 < study.margin else "not shown"
+    pct = f"{1 - 2 * study.alpha:.0%}"
+    return (f"{c.size()}, {c.n} seeds: **{c.words}**. At the ±{study.margin} margin, "
+            f"equivalence is {tost} (TOST p {c.tost:.3g}; {pct} interval [{c.low90:+.4f}, "
+            f"{c.high90:+.4f}]) and non-inferiority is {inferior} (its upper bound "
+            f"{c.high90:+.4f} against +{study.margin})."
+            + (f" On Milton: {ood.size()}, **{ood.words}**." if ood else ""))
 
 
 def _sweep(study: Study, results: Results, out: Path) -> list[str]:
@@ -184,15 +275,26 @@ def _sweep(study: Study, results: Results, out: Path) -> list[str]:
         return []
     head = ["config", *(f"lr {rate_text(r)}" for r in rates), "best rate", "diverged rates",
             "spikes"]
-    lines = [f"## Learning-rate sweep ({study.sweep_steps} steps, seed {study.sweep_seed})", "",
-             "Final validation bits per byte at each peak rate (the schedule: warmup, cosine "
-             "decay to the config's min_lr_ratio). The best rate is picked on one seed and on "
-             "the same validation split the study reports, at this shorter budget: the "
-             "reported numbers favour each config's own rate a little (every config alike); "
-             "seed 0 of the main runs shares that seed."
-             + (f" A rate beyond an edge of the grid is added while the best is at that edge, "
-                f"or below the grid while every rate diverged (up to {study.extend} in all)."
-                if study.extend else "")
+    split = results.sweep_split()
+    where = ("the selection works (`data.selection=validation`: macbeth, "
+             "much_ado_about_nothing, passionate_pilgrim; every run of the study trains without "
+             "them), not the split the study reports" if split == "selection" else
+             "the same validation split the study reports, so the reported numbers favour each "
+             "config's own rate a little")
+    budget = ("the study's own budget" if study.sweep_steps == study.steps else
+              f"a shorter budget than the study's {study.steps:,} steps: a rate best at "
+              f"{study.sweep_steps} steps need not be best at {study.steps:,}, nor alike for "
+              "every config")
+    seed = (f"seed {study.sweep_seed}, none of the reported runs' seeds"
+            if study.sweep_seed >= study.seeds else
+            f"seed {study.sweep_seed}, which the reported runs of that seed share")
+    lines = [f"## Learning-rate sweep ({study.sweep_steps:,} steps, seed {study.sweep_seed})",
+             "", f"Final {split} bits per byte at each peak rate (the schedule: warmup, cosine "
+             f"decay to the config's min_lr_ratio). The best rate is picked on one run per rate "
+             f"({seed}), on {where}, at {budget}."
+             + (f" A rate beyond an edge of the grid (by the grid's ratio there) is added while "
+                f"the best is at that edge, or below the grid while every rate diverged (up to "
+                f"{study.extend} in all)." if study.extend else "")
              + " \"(edge)\": the best is at an edge of the rates tried, so the optimum may "
              "lie beyond them.", "", _row(head),
              _rule(head)]
@@ -213,11 +315,15 @@ def _sweep(study: Study, results: Results, out: Path) -> list[str]:
     png = out.with_name(f"{out.stem}_sweep.png")
     if _drawn(figures.plot_sweep(results, png), png):
         lines += ["", f"![learning-rate sweep]({png.name})"]
+    png = out.with_name(f"{out.stem}_sweep_curves.png")
+    if _drawn(figures.plot_sweep_curves(results, png), png):
+        lines += ["", f"![the sweep's curves]({png.name})"]
     return lines + [""]
 
 
 def _table(study: Study, results: Results, title: str, steps: Mapping[str, int],
-           comparisons: list[Comparison], out: Path | None, figure: str | None) -> list[str]:
+           comparisons: list[Comparison], milton: list[Comparison], out: Path | None,
+           figure: str | None) -> list[str]:
     head = ["config", "params", "lr", "steps", "training FLOPs", "seeds", "val bits/byte",
             "Milton bits/byte", "diverged", "spikes", "max grad norm", "tokens/s"]
     lines = [title, "", "Each config at its best rate; bits per byte as mean ± sd over the "
@@ -239,6 +345,9 @@ def _table(study: Study, results: Results, title: str, steps: Mapping[str, int],
             f"{max(max_grad_norm(r) for r in runs.values()):.3g}",
             _tokens_per_s(runs.values())]))
     lines += ["", *_comparisons(comparisons, study.alpha), ""]
+    if milton:
+        lines += ["The same comparisons on Milton (out of domain; Holm over their own family):",
+                  "", *_comparisons(milton, study.alpha), ""]
     if out is not None and figure:
         png = out.with_name(f"{out.stem}_{figure}.png")
         if _drawn(figures.plot_curves(results, png), png):
@@ -249,12 +358,13 @@ def _table(study: Study, results: Results, title: str, steps: Mapping[str, int],
 def _comparisons(comparisons: list[Comparison], alpha: float) -> list[str]:
     if not comparisons:
         return ["No comparison has two seeds in common yet."]
-    head = ["comparison", "seeds", "Δ bits/byte [95% CI]", f"{1 - 2 * alpha:.0%} CI",
-            "p, raw (Holm)", "TOST p", "reading"]
+    head = ["comparison", "seeds", "Δ bits/byte [95% CI]", "% of ref", "perplexity ratio",
+            f"{1 - 2 * alpha:.0%} CI", "paired sd", "p, raw (Holm)", "TOST p", "reading"]
     return [_row(head), _rule(head), *(_row([
-        c.key, str(c.n), f"{c.mean:+.4f} [{c.low:+.4f}, {c.high:+.4f}]",
-        f"[{c.low90:+.4f}, {c.high90:+.4f}]", f"{c.p:.3g} ({c.p_holm:.3g})", f"{c.tost:.3g}",
-        f"**{c.words}**"]) for c in comparisons)]
+        c.key, str(c.n), f"{c.mean:+.4f} [{c.low:+.4f}, {c.high:+.4f}]", f"{c.percent:+.1f}%",
+        "–" if c.perplexity_ratio is None else f"×{c.perplexity_ratio:.3f}",
+        f"[{c.low90:+.4f}, {c.high90:+.4f}]", f"{c.sd:.4f}", f"{c.p:.3g} ({c.p_holm:.3g})",
+        f"{c.tost:.3g}", f"**{c.words}**"]) for c in comparisons)]
 
 
 def _sizes(results: Results) -> dict[str, dict[str, dict]]:
@@ -392,9 +502,8 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
     for table, comparisons in (("equal steps", main), ("equal FLOPs", flops),
                                ("the size trend", sizes)):
         for c in comparisons:
-            lines.append(f"- {c.key} ({table}, {c.n} seeds): **{c.words}** "
-                         f"(Δ {c.mean:+.4f} [{c.low:+.4f}, {c.high:+.4f}], Holm p {c.p_holm:.3g},"
-                         f" TOST p {c.tost:.3g}).")
+            lines.append(f"- {c.key} ({table}): {c.size()}, {c.n} seeds: **{c.words}** "
+                         f"(Holm p {c.p_holm:.3g}, TOST p {c.tost:.3g}).")
     return lines + slopes + [""]
 
 

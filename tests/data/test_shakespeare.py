@@ -9,6 +9,7 @@ import pytest
 from cem_jax.data import (
     HELD_OUT_WORKS,
     MILTON_WORKS,
+    SELECTION_WORKS,
     DataConfig,
     FetchError,
     build_tokenizer,
@@ -53,6 +54,26 @@ def test_split_by_work_holds_out_about_five_percent(archive_cache):
     train_lines = {line for text in train.values() for line in text.split("\n")}
     long_val_lines = [line for text in val.values() for line in text.split("\n") if len(line) > 50]
     assert sum(line in train_lines for line in long_val_lines) < 0.01 * len(long_val_lines)
+
+
+def test_selection_works_leave_training_in_both_modes_and_validate_in_one(archive_cache):
+    def split(selection, name):
+        cfg = DataConfig(cache_dir=str(archive_cache), selection=selection)
+        return {d.name: len(d.text) for d in source_of(cfg, name).documents()}
+
+    assert set(SELECTION_WORKS).isdisjoint(HELD_OUT_WORKS)
+    everything = split("none", "train")
+    assert set(SELECTION_WORKS) <= set(everything) and len(everything) == 39
+    for selection in ("excluded", "validation"):  # the same 36 training works in both
+        assert split(selection, "train") == {w: n for w, n in everything.items()
+                                             if w not in SELECTION_WORKS}
+    assert sorted(split("excluded", "validation")) == sorted(HELD_OUT_WORKS)
+    chosen = split("validation", "validation")
+    assert sorted(chosen) == sorted(SELECTION_WORKS) and sum(chosen.values()) == 234_286
+    with pytest.raises(ValueError, match="'selection' = 'validation'.*'shakespeare'"):
+        DataConfig(corpus="text:/tmp/x.txt", val_fraction=0.1, selection="validation")
+    with pytest.raises(ValueError, match="'selection' = 'some'.*one of none, excluded"):
+        DataConfig(selection="some")
 
 
 def test_texts_carry_no_gutenberg_boilerplate(archive_cache):

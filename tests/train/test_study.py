@@ -31,7 +31,7 @@ from cem_jax.study.cli import main
 from cem_jax.study.figures import colours
 from cem_jax.study.plan import RunKey, load_study, plan, rate_text
 from cem_jax.study.records import run_spec
-from cem_jax.study.report import SUMMARY_END, SUMMARY_START, _slopes, _validation
+from cem_jax.study.report import PRIMARY, SUMMARY_END, SUMMARY_START, _slopes, _validation
 from cem_jax.train_config import load_config
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -46,6 +46,7 @@ TO_BASE = {"shakespeare_llama_scalar": [-0.10, -0.11, -0.09, -0.10, -0.12],
            "shakespeare_cem_mlp": [0.20, 0.21, 0.19, 0.22, None]}
 AT_FLOPS = [-0.03, -0.02, -0.035, -0.025, -0.03]  # shakespeare_cem at equal FLOPs
 D64 = {"shakespeare_llama": [2.60, 2.62, 2.61], "shakespeare_cem": [2.655, 2.681, 2.668]}
+OOD_CEM = [0.030, 0.032, 0.028, 0.031, 0.029]  # shakespeare_cem − the baseline on Milton
 
 
 def test_holm_by_hand():
@@ -64,6 +65,17 @@ def test_seed_count_and_margin_by_hand():
     assert seeds_for_equivalence(0.02, 0.03) > 10  # the issue's ±0.02 needs many more seeds
     with pytest.raises(ValueError, match="margin and sd must be > 0"):
         seeds_for_equivalence(0.0, 0.03)
+    # at a true difference Δ the one-sided quantile is t_{power}: Julious (2004) §5.
+    # n = 10: 0.006 + (t_{0.95,9} 1.8331 + t_{0.9,9} 1.3830) · 0.0135 / √10 = 0.01973 <= 0.02
+    assert equivalence_margin(10, 0.0135, power=0.9, delta=0.006) == pytest.approx(0.01973,
+                                                                                   abs=1e-5)
+    # n = 9: 0.006 + (1.8595 + 1.3968) · 0.0135 / 3 = 0.02065 > 0.02
+    assert equivalence_margin(9, 0.0135, power=0.9, delta=0.006) == pytest.approx(0.02065,
+                                                                                  abs=1e-5)
+    assert seeds_for_equivalence(0.02, 0.0135, power=0.9, delta=0.006) == 10
+    assert seeds_for_equivalence(0.02, 0.0135) == 6  # at Δ = 0, 80% power
+    with pytest.raises(ValueError, match=r"\|delta\| < margin"):
+        seeds_for_equivalence(0.02, 0.0135, delta=0.02)
 
 
 def test_tost_against_scipy_one_sided_tests():
@@ -73,13 +85,14 @@ def test_tost_against_scipy_one_sided_tests():
     assert tost_p(diffs, MARGIN) == pytest.approx(max(low, high), rel=1e-9)
 
 
-def test_verdict_words():
-    assert verdict(0.001, separated=False, equivalent=True) == "matches"
-    assert verdict(0.01, separated=True, equivalent=True) == \
-        "matches (within the margin, though higher)"
-    assert verdict(-0.2, separated=True, equivalent=False) == "better"
-    assert verdict(0.2, separated=True, equivalent=False) == "worse"
-    assert verdict(0.02, separated=False, equivalent=False) == "not separated"
+def test_verdict_words_follow_the_interval_first():
+    assert verdict(-0.001, 0.003, equivalent=True) == "matches"
+    # an interval that excludes 0 is a difference, whatever TOST says
+    assert verdict(0.008, 0.026, equivalent=True) == "worse, within the margin"
+    assert verdict(-0.037, -0.006, equivalent=True) == "better, within the margin"
+    assert verdict(-0.3, -0.1, equivalent=False) == "better"
+    assert verdict(0.1, 0.3, equivalent=False) == "worse"
+    assert verdict(-0.01, 0.05, equivalent=False) == "not separated"
 
 
 def _record(name, lr, steps, seed, bpb, *, status="ok", losses=None, params=1000, **extra):
@@ -135,9 +148,10 @@ def study_file(tmp_path: Path) -> Path:
     at_flops = _flops_steps("shakespeare_cem")
     for seed, base in enumerate(BASE):
         _write(records, _record("shakespeare_llama", 0.01, 1500, seed, base,
-                                ood_bits_per_byte=base + 0.5))
+                                ood_bits_per_byte=base + 0.5, ood_loss=1.0))
         for name, diffs in TO_BASE.items():
-            extra = {"descent": descent, "descent_init": init, "descent_tokens": 1000} \
+            extra = {"descent": descent, "descent_init": init, "descent_tokens": 1000,
+                     "ood_bits_per_byte": base + 0.5 + OOD_CEM[seed]} \
                 if name == "shakespeare_cem" else {}
             if diffs[seed] is None:
                 extra = {"status": "diverged", "losses": [[1, 7.0], [90, None]]}
@@ -186,17 +200,30 @@ def _expected(tables: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, d
                 "n": str(len(v)), "p": family[k, tuple(v)], "holm": adjusted[k, tuple(v)],
                 "interval": f"{v.mean():+.4f} [{v.mean() - half:+.4f}, {v.mean() + half:+.4f}]",
                 "interval90": f"[{v.mean() - half90:+.4f}, {v.mean() + half90:+.4f}]",
+                "sd": f"{v.std(ddof=1):.4f}",
                 "tost": f"{max(low, high):.3g}"}
     return found
+
+
+def _size(diffs: np.ndarray, ref: list[float], ratio: bool = True) -> str:
+    """A comparison's direction and size as the report writes it (the per-token perplexity
+    ratio from the fixture's reference records: 1 nat/token at `ref` bits per byte)."""
+    mean, half = diffs.mean(), scipy.stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(
+        ddof=1) / np.sqrt(len(diffs))
+    per_token = np.mean([1 / np.log(2) / b for b in ref])
+    return (f"{'higher' if mean > 0 else 'lower'} by {abs(mean):.4f} bits/byte [95% "
+            f"{mean - half:+.4f}, {mean + half:+.4f}], {100 * mean / np.mean(ref):+.1f}%"
+            + (f", ×{2 ** (mean * per_token):.3f} per-token perplexity" if ratio else ""))
 
 
 def _check_table(section: str, expected: dict[str, dict], words: dict[str, str]) -> None:
     assert set(expected) == set(words)
     for key, want in expected.items():
         cells = _table_row(section, key)
-        assert cells[:6] == [key, want["n"], want["interval"], want["interval90"],
-                             f"{want['p']:.3g} ({want['holm']:.3g})", want["tost"]], key
-        assert cells[6] == f"**{words[key]}**", key
+        assert cells[:3] + cells[5:9] == [
+            key, want["n"], want["interval"], want["interval90"], want["sd"],
+            f"{want['p']:.3g} ({want['holm']:.3g})", want["tost"]], key
+        assert cells[9] == f"**{words[key]}**", key
 
 
 def test_report_from_hand_written_runs(study_file: Path):
@@ -238,8 +265,8 @@ def test_report_from_hand_written_runs(study_file: Path):
              "shakespeare_cem vs shakespeare_llama": "matches",
              "shakespeare_cem vs shakespeare_llama_scalar": "worse",
              "shakespeare_cem_attn vs shakespeare_llama": "not separated",
-             # raw p = 0.033 < 0.05, but not after Holm: not "worse"
-             "shakespeare_cem_attn vs shakespeare_llama_scalar": "not separated",
+             # its 95% interval excludes 0 (raw p = 0.033), though Holm's p does not confirm it
+             "shakespeare_cem_attn vs shakespeare_llama_scalar": "worse",
              "shakespeare_cem_attn vs shakespeare_cem": "not separated",
              "shakespeare_cem_mlp vs shakespeare_llama": left_out,
              "shakespeare_cem_mlp vs shakespeare_llama_scalar": left_out,
@@ -249,12 +276,18 @@ def test_report_from_hand_written_runs(study_file: Path):
     equal_steps = text.split("## Equal steps")[1].split("## Equal training FLOPs")[0]
     _check_table(equal_steps, expected["steps"], words)
     for key, word in words.items():
-        assert f"- {key} (equal steps, {expected['steps'][key]['n']} seeds): **{word}**" in text
+        assert f"- {key} (equal steps): " in text and f"seeds: **{word}** (Holm p" in text
+
+    # the size in % of the reference and as a per-token perplexity ratio, from the reference's
+    # bytes per token (its records: loss 1 nat/token at BASE[s] bits per byte)
+    per_token = np.mean([1 / np.log(2) / b for b in BASE])
+    cells = _table_row(equal_steps, "shakespeare_cem_mlp vs shakespeare_llama")
+    assert cells[3:5] == [f"{100 * mlp.mean() / np.mean(BASE[:4]):+.1f}%",
+                          f"×{2 ** (mlp.mean() * per_token):.3f}"]
 
     flops = text.split("## Equal training FLOPs")[1].split("## Trend")[0]
     _check_table(flops, expected["flops"],
-                 {"shakespeare_cem vs shakespeare_llama":
-                      "matches (within the margin, though lower)",
+                 {"shakespeare_cem vs shakespeare_llama": "better, within the margin",
                   "shakespeare_cem vs shakespeare_llama_scalar": "worse",
                   "shakespeare_cem_mlp vs shakespeare_llama": left_out,
                   "shakespeare_cem_mlp vs shakespeare_llama_scalar": left_out,
@@ -262,21 +295,39 @@ def test_report_from_hand_written_runs(study_file: Path):
     assert _table_row(flops, "shakespeare_cem")[3] == f"{_flops_steps('shakespeare_cem'):,}"
     assert _table_row(flops, "shakespeare_cem_mlp")[3] == "1,500"
 
-    # the summary: every equal-steps comparison, and equal FLOPs against the baseline where
-    # it is not the same test (tied MLP's FLOPs are the baseline's)
+    # the summary: every planned comparison once (equal FLOPs where it is not the same test as
+    # at equal steps: tied MLP's FLOPs are the baseline's), each its size first, then its words
     summary = text.split(SUMMARY_START)[1].split(SUMMARY_END)[0]
-    want = expected["steps"]["shakespeare_cem vs shakespeare_llama"]
-    mean, interval = want["interval"].split(" ", 1)
-    assert (f"- shakespeare_cem vs shakespeare_llama, 1,500 steps: **matches**, Δ {mean} "
-            f"bits/byte, 95% {interval}, 90% {want['interval90']}, over 5 seeds.") in summary
-    assert ("- shakespeare_cem vs shakespeare_llama, equal training FLOPs: **matches (within "
-            "the margin, though lower)**") in summary
-    assert "shakespeare_cem_mlp vs shakespeare_cem, equal training FLOPs" not in summary
+    cem_line = (f"- shakespeare_cem vs shakespeare_llama, 1,500 steps: {_size(cem, BASE)}, 5 "
+                f"seeds: **matches**; on Milton, {_size(np.array(OOD_CEM), np.add(BASE, 0.5))}"
+                ": **worse, within the margin**.")
+    assert cem_line in summary
+    assert (f"- shakespeare_cem_attn vs shakespeare_llama_scalar, 1,500 steps: "
+            f"{_size(attn - scalar, BASE + scalar, ratio=False)}") in summary
+    holm_p = expected["steps"]["shakespeare_cem_attn vs shakespeare_llama_scalar"]["holm"]
+    assert f"5 seeds: **worse** (Holm p {holm_p:.2g})." in summary
+    assert ("- shakespeare_cem vs shakespeare_llama, equal training FLOPs: lower by "
+            f"{abs(at.mean()):.4f}") in summary and "5 seeds: **better, within the margin**" in summary
+    assert "shakespeare_cem vs shakespeare_llama_scalar, equal training FLOPs" in summary
+    assert "shakespeare_cem_mlp vs shakespeare_cem, equal training FLOPs" in summary
     assert "shakespeare_cem_mlp vs shakespeare_llama, equal training FLOPs" not in summary
     assert ("- shakespeare_cem-d64 vs shakespeare_llama-d64, the size trend (1,500 steps, "
-            "seeds 0–2): **worse**") in summary  # and the slope of the gap over sizes:
+            "seeds 0–2): higher by") in summary  # and the slope of the gap over sizes:
     assert "- shakespeare_cem − shakespeare_llama: the gap changes by" in summary
-    assert "Holm-adjusted over the 14 distinct comparisons of this report" in text
+    assert "Holm-adjusted over the 14 distinct in-domain comparisons of this report" in text
+    assert text.index("**Scale.** Models of") < text.index("## Summary")
+
+    # the primary comparison: the estimate, equivalence and non-inferiority, Milton beside
+    primary = text.split(PRIMARY + "\n")[1].split("\n")[0]
+    want = expected["steps"]["shakespeare_cem vs shakespeare_llama"]
+    assert primary.startswith("**Primary** (named after the runs")
+    assert (f"shakespeare_cem vs shakespeare_llama, 1,500 steps: {_size(cem, BASE)}, 5 seeds: "
+            f"**matches**. At the ±0.05 margin, equivalence is shown (TOST p {want['tost']}; 90% "
+            f"interval {want['interval90']}) and non-inferiority is shown") in primary
+    assert f"On Milton: {_size(np.array(OOD_CEM), np.add(BASE, 0.5))}" in primary
+    milton = equal_steps.split("The same comparisons on Milton")[1]
+    assert _table_row(milton, "shakespeare_cem vs shakespeare_llama")[9] == \
+        "**worse, within the margin**"
 
     # the trend: seeds 0-2 at both sizes, and the slope of the gap on log10(parameters)
     trend = text.split("## Trend")[1].split("## Energy descent")[0]
@@ -327,12 +378,12 @@ def test_a_comparison_lacking_planned_seeds_is_interim(study_file: Path):
     text = load_study(study_file).report.read_text()
     assert "**The study is not complete**: 2 planned runs have no file yet" in text
     assert "- interim: shakespeare_cem − shakespeare_llama: the gap changes by" in text
-    assert _table_row(text, "shakespeare_cem-d64 vs shakespeare_llama-d64")[6].startswith(
+    assert _table_row(text, "shakespeare_cem-d64 vs shakespeare_llama-d64")[9].startswith(
         "**interim: ")
     assert _table_row(text, "shakespeare_cem_attn vs shakespeare_llama")[1] == "4"
-    assert _table_row(text, "shakespeare_cem_attn vs shakespeare_llama")[6] == \
+    assert _table_row(text, "shakespeare_cem_attn vs shakespeare_llama")[9] == \
         "**interim: not separated**"
-    assert _table_row(text, "shakespeare_cem vs shakespeare_llama")[6] == "**matches**"
+    assert _table_row(text, "shakespeare_cem vs shakespeare_llama")[9] == "**matches**"
 
 
 def test_a_seed_diverged_on_both_sides_is_left_out_once(study_file: Path):
@@ -344,7 +395,7 @@ def test_a_seed_diverged_on_both_sides_is_left_out_once(study_file: Path):
     text = load_study(study_file).report.read_text()
     for key in ("shakespeare_cem_mlp vs shakespeare_cem", "shakespeare_cem vs shakespeare_llama"):
         row = _table_row(text, key)
-        assert row[1] == "4" and row[6].endswith("; 1 seed diverged and left out**"), row
+        assert row[1] == "4" and row[9].endswith("; 1 seed diverged and left out**"), row
 
 
 def test_a_sweep_whose_every_rate_diverged(study_file: Path):
@@ -447,6 +498,17 @@ def test_a_record_another_study_made_or_a_broken_one_is_refused(study_file: Path
      "relative to the directory cem-study runs in"),
     ({"sizes": {"configs": ["shakespeare_cem"], "seeds": 3, "scales": {"d128": []}}},
      "sizes.configs must hold the baseline shakespeare_llama and at least one other config"),
+    ({"sweep.rates": {"shakespeare_llama": [0.01]}},
+     "sweep.rates has no list for shakespeare_llama_scalar; give one list of rates for every "
+     "config, or a list for each of shakespeare_llama, shakespeare_llama_scalar, "
+     "shakespeare_cem, shakespeare_cem_attn, shakespeare_cem_mlp, shakespeare_llama-d64, "
+     "shakespeare_cem-d64"),
+    ({"sweep.steps": 1500}, "sweep.seed 0 is one of the reported seeds 0-4, and the sweep has "
+                            "their steps: give the sweep a seed >= 5"),
+    ({"primary": ["shakespeare_cem", "shakespeare_llama"]},
+     "primary must be {row: CONFIG, ref: CONFIG, named: WHEN}"),
+    ({"primary.row": "shakespeare_cme"}, "shakespeare_cme is named but is not one of its configs"),
+    ({"assumed_delta": 0.05}, "assumed_delta 0.05 must be below the margin 0.05"),
 ])
 def test_a_bad_study_file_is_one_line_naming_the_field(study_file: Path, capsys, change,
                                                        message):
@@ -479,7 +541,7 @@ def test_rates_written_as_yaml_reads_them(study_file: Path):
                           study_file.read_text())
     assert found == 1
     study_file.write_text(text)
-    assert load_study(study_file).rates == (0.005, 0.01, 0.02)
+    assert set(load_study(study_file).rates.values()) == {(0.005, 0.01, 0.02)}
 
 
 def test_the_report_says_what_the_runs_validate_on(study_file: Path):
@@ -524,24 +586,26 @@ def test_trend_slope_over_seeds_and_over_size_means(study_file: Path):
     assert line.endswith(": no trend shown.")
 
 
-def test_committed_report_is_regenerated_from_its_files(tmp_path: Path, monkeypatch):
-    """docs/results.md is what `cem-study --report-only` writes from docs/study/runs, and the
-    README quotes its summary word for word."""
+@pytest.mark.parametrize("study_path", ["docs/study/study.yaml", "docs/study/tied_vs_llama.yaml"])
+def test_committed_report_is_regenerated_from_its_files(tmp_path: Path, monkeypatch, study_path):
+    """Each committed report is what `cem-study --report-only` writes from its records, with
+    the figures it shows; the README quotes the earlier study's primary finding word for
+    word."""
     monkeypatch.chdir(REPO)  # the study file's paths are the repository's
-    spec = yaml.safe_load((REPO / "docs/study/study.yaml").read_text())
-    spec["report"] = str(tmp_path / "results.md")
+    spec = yaml.safe_load((REPO / study_path).read_text())
+    report = Path(spec["report"])
+    spec["report"] = str(tmp_path / report.name)
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     assert main([str(path), "--report-only"]) == 0
-    fresh = (tmp_path / "results.md").read_text()
-    committed = (REPO / "docs/results.md").read_text()
+    fresh = (tmp_path / report.name).read_text()
+    committed = (REPO / report).read_text()
     strip = re.compile(r"```bash\n.*?\n```", re.S)  # the command names the study file's path
     assert strip.sub("", fresh) == strip.sub("", committed)
-    for png in ("sweep", "curves", "sizes", "descent"):  # each figure the report shows exists
-        assert f"(results_{png}.png)" not in committed or (REPO / f"docs/results_{png}.png"
-                                                           ).read_bytes()[:8] == PNG
-    summary = committed.split(SUMMARY_START)[1].split(SUMMARY_END)[0]
-    readme = (REPO / "README.md").read_text()
-    for line in summary.strip().splitlines():  # the README nests them in a list: indented
-        assert f"  {line}\n" in readme
-
+    for png in re.findall(r"\]\(([^)]+\.png)\)", committed):  # each figure shown exists
+        assert (REPO / report.parent / png).read_bytes()[:8] == PNG
+    primary = committed.split(PRIMARY + "\n")[1].split("\n")[0]
+    assert primary.startswith("**Primary**")
+    if study_path == "docs/study/study.yaml":
+        readme = (REPO / "README.md").read_text().splitlines()
+        assert any(line.strip() == primary for line in readme)

@@ -1,0 +1,123 @@
+"""cem-study's records, for real: one tiny run trained and recorded carries its resolved config,
+its tokenizer and datasets' identities (the manifests' hashes) and the library versions; a tree
+with uncommitted changes to tracked files records nothing; a sweep at the reported budget keeps
+its runs apart from the reported ones and validates on the selection works."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+from pathlib import Path
+
+import yaml
+from train_helpers import REPO
+
+from cem_jax.data import find_tokenizer, load_tokenizer
+from cem_jax.data.shards import read_manifest
+from cem_jax.study import cli
+from cem_jax.study.analysis import Results
+from cem_jax.study.plan import RunKey, load_study, plan
+from cem_jax.study.records import dirty_tree, record_path, run_spec, train_and_record
+
+
+def _study(tmp_path: Path, overrides: list[str]) -> Path:
+    spec = {"margin": 0.05, "alpha": 0.05, "power": 0.8, "planning_sd": 0.03, "min_seeds": 2,
+            "records": str(tmp_path / "records"), "runs_dir": str(tmp_path / "runs"),
+            "report": str(tmp_path / "results.md"), "baseline": "shakespeare_llama",
+            "overrides": overrides,
+            "configs": {"shakespeare_llama": {"file": str(REPO / "configs/shakespeare_llama.yaml")},
+                        "shakespeare_cem": {"file": str(REPO / "configs/shakespeare_cem.yaml"),
+                                            "parent": "shakespeare_llama"}},
+            "sweep": {"steps": 3, "eval_every": 3, "seed": 0, "rates": [0.01], "extend": 0},
+            "main": {"steps": 6, "eval_every": 3},
+            "sizes": {"configs": ["shakespeare_llama", "shakespeare_cem"], "seeds": 2,
+                      "scales": {"d32": []}}}
+    (tmp_path / "records").mkdir(parents=True)
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_a_recorded_run_carries_its_config_data_identity_and_versions(tmp_path, tiny_overrides):
+    study = load_study(_study(tmp_path, [*tiny_overrides, "expected_params=null"]))
+    key = RunKey("shakespeare_llama", 0.01, 3, 0)
+    rec, row = train_and_record(study, key)
+    assert row["ok"] and rec == json.loads(record_path(study, key).read_text())
+    run_dir = Path(row["dir"])
+    assert rec["resolved_config"] == yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert rec["resolved_config"]["model"]["d_model"] == 32
+    assert rec["resolved_config"]["optimizer"]["lr"] == 0.01
+    tokenizer = load_tokenizer(find_tokenizer(run_dir))
+    data = rec["data"]
+    assert data["tokenizer_sha256"] == tokenizer.sha256
+    # the tiny corpus: 12 training documents and 2 validation ones, each its own dataset
+    assert (data["train"]["documents"], data["validation"]["documents"]) == (12, 2)
+    datasets = {read_manifest(str(p.parent)).identity: p.parent
+                for p in Path(run_spec(study, key).cfg.data.cache_dir).glob("tokens/*/manifest.json")}
+    assert {data["train"]["identity"], data["validation"]["identity"]} <= set(datasets)
+    assert data["train"]["identity"] != data["validation"]["identity"]
+    assert "milton" not in data  # a sweep run is not evaluated on Milton
+    assert rec["eval_split"] == "validation"
+    assert rec["ran"]["versions"]["optax"] == importlib.metadata.version("optax")
+    assert rec["ran"]["versions"]["flax"] == importlib.metadata.version("flax")
+    assert set(rec["ran"]["versions"]) == {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
+                                           "grain", "numpy"}
+
+
+def test_uncommitted_changes_to_tracked_files_refuse_to_record(tmp_path, monkeypatch, capsys):
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    assert dirty_tree(tmp_path) == ""
+    (tmp_path / "new.txt").write_text("an untracked file is no change to the code\n")
+    assert dirty_tree(tmp_path) == ""
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert dirty_tree(tmp_path).startswith("1 tracked file differs from the commit (a.py): "
+                                           "commit or stash")
+    outside = tmp_path.parent / f"{tmp_path.name}-plain"
+    outside.mkdir()
+    assert "is not in a git checkout" in dirty_tree(outside)
+
+    path = _study(tmp_path / "study", [])
+    monkeypatch.setattr(cli, "dirty_tree", lambda: dirty_tree(tmp_path))
+    assert cli.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cem-study: cannot record runs: 1 tracked file differs") and \
+        err.count("\n") == 1
+    assert not list((tmp_path / "study" / "records").iterdir())
+    assert cli.main([str(path), "--report-only"]) == 0  # a report needs no clean tree
+
+
+def test_a_sweep_at_the_reported_budget_stays_apart_and_validates_on_the_selection_works():
+    study = load_study(REPO / "docs/study/tied_vs_llama.yaml")
+    assert study.seeds == 10 and study.sweep_seed >= study.seeds
+    flops = dict.fromkeys(study.all_configs(), 1e12)
+    first = plan(study, {}, flops)
+    core = [k for k in first if "-d256" not in k.name]
+    assert {(k.steps, k.seed) for k in first} == {(1500, 100)}
+    assert len(core) == 9 and {k.lr for k in core} == {0.00354, 0.005, 0.00707}
+    sweep, reported = RunKey("shakespeare_cem", 0.005, 1500, 100), RunKey(
+        "shakespeare_cem", 0.005, 1500, 0)
+    assert run_spec(study, sweep).cfg.data.selection == "validation"
+    assert run_spec(study, reported).cfg.data.selection == "excluded"
+    # the best at the √2 grid's top edge: one rate beyond it by the grid's ratio
+    sweeps = {n: {0.00354: 2.1, 0.005: 2.0, 0.00707: 1.9} for n in study.configs}
+    runs = plan(study, sweeps, flops)
+    assert RunKey("shakespeare_llama", 0.01, 1500, 100) in runs
+    sweeps = {n: {**s, 0.01: 1.95} for n, s in sweeps.items()}
+    runs = plan(study, sweeps, flops)
+    assert [k.seed for k in runs if k.name == "shakespeare_cem" and k.seed < 100] == \
+        list(range(10))
+    # the sweep's own run at the best rate is not one of the reported seeds
+    record = {"val": {"bits_per_byte": 1.9}, "status": "ok", "train_loss": [[1500, 3.0]]}
+    records = {RunKey("shakespeare_cem", r, 1500, 100): {**record, "val": {"bits_per_byte": v}}
+               for r, v in sweeps["shakespeare_cem"].items()}
+    records[RunKey("shakespeare_cem", 0.00707, 1500, 0)] = record
+    results = Results(study, records)
+    assert results.best_rate("shakespeare_cem") == 0.00707
+    assert list(results.runs("shakespeare_cem")) == [0]
