@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_writable(study.report.parent, "report")
         if not args.report_only:
             _check_writable(study.records, "records")
-            dirty = dirty_tree()
+            dirty = dirty_tree(outputs=(study.records, study.report.with_suffix("")))
             if dirty:
                 raise ValueError(f"cannot record runs: {dirty} (--report-only needs no clean "
                                  "tree)")

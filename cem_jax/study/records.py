@@ -188,17 +188,24 @@ def _data_identity(run_dir: str, cfg, milton: bool) -> dict:
     return found
 
 
-def dirty_tree(code: Path = Path(__file__).parent) -> str:
-    """Why the tree holding `code` (this package) cannot record runs: its tracked files differ
-    from its commit ("" when they do not; a tree that is not a git checkout says so)."""
+def dirty_tree(code: Path = Path(__file__).parent, outputs: tuple[Path, ...] = ()) -> str:
+    """Why the tree holding `code` (this package) cannot record runs: tracked files other than
+    the study's own outputs (paths starting with one of `outputs`: its records, its report and
+    figures) differ from its commit ("" when none do; a tree that is not a git checkout says
+    so)."""
     try:
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                 capture_output=True, text=True, check=True,
-                                 cwd=code).stdout.split("\n")
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                                  cwd=code).stdout
+
+        root = Path(git("rev-parse", "--show-toplevel").strip())
+        lines = git("status", "--porcelain", "--untracked-files=no").split("\n")
     except (OSError, subprocess.CalledProcessError):
         return (f"the code in {code} is not in a git checkout, so a record could not name the "
                 "commit that trained it")
-    changed = [line[3:] for line in changed if line.strip()]
+    mine = tuple(str(p.resolve()) for p in outputs)
+    changed = [line[3:] for line in lines
+               if line.strip() and not str(root / line[3:]).startswith(mine or ("\0",))]
     verb = "differs" if len(changed) == 1 else "differ"
     return (f"{len(changed)} tracked file{'s' * (len(changed) != 1)} {verb} from the commit "
             f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): commit or stash "

@@ -76,18 +76,25 @@ def test_uncommitted_changes_to_tracked_files_refuse_to_record(tmp_path, monkeyp
     assert dirty_tree(tmp_path) == ""
     (tmp_path / "new.txt").write_text("an untracked file is no change to the code\n")
     assert dirty_tree(tmp_path) == ""
+    (tmp_path / "report.md").write_text("a study's report\n")
+    git("add", "report.md")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "report")
+    (tmp_path / "report.md").write_text("regenerated\n")  # the study's own output
+    assert dirty_tree(tmp_path, outputs=(tmp_path / "report",)) == ""
     (tmp_path / "a.py").write_text("x = 2\n")
-    assert dirty_tree(tmp_path).startswith("1 tracked file differs from the commit (a.py): "
-                                           "commit or stash")
+    assert dirty_tree(tmp_path, outputs=(tmp_path / "report",)).startswith(
+        "1 tracked file differs from the commit (a.py): commit or stash")
+    assert dirty_tree(tmp_path).startswith("2 tracked files differ from the commit (a.py, "
+                                           "report.md)")
     outside = tmp_path.parent / f"{tmp_path.name}-plain"
     outside.mkdir()
     assert "is not in a git checkout" in dirty_tree(outside)
 
     path = _study(tmp_path / "study", [])
-    monkeypatch.setattr(cli, "dirty_tree", lambda: dirty_tree(tmp_path))
+    monkeypatch.setattr(cli, "dirty_tree", lambda outputs: dirty_tree(tmp_path, outputs))
     assert cli.main([str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("cem-study: cannot record runs: 1 tracked file differs") and \
+    assert err.startswith("cem-study: cannot record runs: 2 tracked files differ") and \
         err.count("\n") == 1
     assert not list((tmp_path / "study" / "records").iterdir())
     assert cli.main([str(path), "--report-only"]) == 0  # a report needs no clean tree
