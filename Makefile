@@ -1,15 +1,20 @@
 # cem_jax: `make train` runs the main job on the default corpus, `make test` runs the tests.
-# Without an active virtual environment both create .venv and install the package into it.
+# Without an active virtual environment both create .venv and install the package into it:
+# `make train` (and `make bench`) the runtime only, `make test`, `make test-all`, `make lint`
+# and `make install` with the dev extras (pytest, ruff, and torch and transformers for the
+# export tests: about 2 GB more). A stamp file in the environment remembers each install.
 SHELL := /bin/bash
 PY ?= python3
 VENV ?= .venv
 ifdef VIRTUAL_ENV
   PYTHON := python
-  STAMP := $(VIRTUAL_ENV)/.cem_jax-installed
+  ENV_DIR := $(VIRTUAL_ENV)
 else
   PYTHON := $(VENV)/bin/python
-  STAMP := $(VENV)/.cem_jax-installed
+  ENV_DIR := $(VENV)
 endif
+RUNTIME_STAMP := $(ENV_DIR)/.cem_jax-runtime
+DEV_STAMP := $(ENV_DIR)/.cem_jax-dev
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): the tests are mostly single-threaded compiles, so 2 workers
 # take ~0.6x the time of one on the 2-core development machine.
@@ -23,29 +28,39 @@ ARGS ?=
 
 .PHONY: install train test test-all lint bench clean
 
-$(STAMP): pyproject.toml
+define new_env
 	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x $(VENV)/bin/python ]; then $(PY) -m venv $(VENV); fi
 	$(PYTHON) -m pip install --quiet --upgrade pip
-	$(PYTHON) -m pip install --quiet -e '.[dev]'
+endef
+
+$(RUNTIME_STAMP): pyproject.toml
+	$(new_env)
+	$(PYTHON) -m pip install --quiet -e .
 	@touch $@
 
-install: $(STAMP)
+# The dev install holds the runtime: it stamps both.
+$(DEV_STAMP): pyproject.toml
+	$(new_env)
+	$(PYTHON) -m pip install --quiet -e '.[dev]'
+	@touch $@ $(RUNTIME_STAMP)
+
+install: $(DEV_STAMP)
 
 # Fetches the corpus on first use, trains, then prints validation perplexity, bits per byte and
 # a sample. Overrides: make train ARGS="run.steps=20 optimizer.lr=3e-3".
-train: install
+train: $(RUNTIME_STAMP)
 	$(PYTHON) -m cem_jax.train --config $(TRAIN_CONFIG) $(ARGS)
 
-test: install
-	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
+test: $(DEV_STAMP)
+	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow and not service" $(PYTEST_ARGS)
 
-test-all: install
+test-all: $(DEV_STAMP)
 	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
-lint: install
+lint: $(DEV_STAMP)
 	$(PYTHON) -m ruff check cem_jax tests benchmarks
 
-bench: install
+bench: $(RUNTIME_STAMP)
 	for b in layers train_step loss data decode loop attention compilation_cache; do $(PYTHON) benchmarks/$$b.py || exit 1; done
 
 clean:

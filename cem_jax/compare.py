@@ -51,14 +51,18 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cem_jax import exits
-from cem_jax.compare_analysis import analyze
-from cem_jax.compare_report import Report, figure_names, figure_path, step_flops
-from cem_jax.compare_runs import RunSpec, train_one
+from cem_jax.arguments import positive_int
 from cem_jax.data import files
-from cem_jax.evaluate import positive_int
 from cem_jax.train_config import TrainConfig, load_config
+
+if TYPE_CHECKING:
+    from cem_jax.compare_runs import RunSpec
+
+# The runs, their analysis and the report import JAX: each function that needs them imports
+# them, once the arguments are parsed (`cem-compare --help` and a usage error answer at once).
 
 BUDGETS = ("steps", "flops")
 Key = tuple[str, int, int]  # a run's (config stem, steps, seed)
@@ -88,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             stopped = _analyze_all(args, cfgs, plans, runs, results)
         if stopped is not None:
             return stopped
+    from cem_jax.compare_report import Report
+
     report = Report(command="cem-compare " + shlex.join(argv), cfgs=cfgs, baseline=baseline,
                     seeds=args.seeds, plans=plans, results=results, ood=args.ood,
                     descent_batches=args.descent_batches)
@@ -131,6 +137,8 @@ def _run_specs(args: argparse.Namespace, paths: Mapping[str, str],
                plans: Mapping[str, Mapping[str, int]]) -> dict[Key, RunSpec]:
     """{(stem, steps, seed): RunSpec} of every run the tables need, in training order (a run
     two tables share trains once). Raises as `load_config`."""
+    from cem_jax.compare_runs import RunSpec
+
     eval_every = args.eval_every or max(1, args.steps // 8)
     runs = {}
     for seed in args.seeds:
@@ -144,6 +152,8 @@ def _run_specs(args: argparse.Namespace, paths: Mapping[str, str],
 def _train_all(runs: Mapping[Key, RunSpec]) -> tuple[dict[Key, dict], int | None]:
     """Train the runs in order (`train_one`): (their rows by key, None), or, once a signal
     stopped one, (the rows so far, `_stopped`'s status)."""
+    from cem_jax.compare_runs import train_one
+
     results = {}
     for key, spec in runs.items():
         results[key] = train_one(spec)
@@ -160,6 +170,8 @@ def _analyze_all(args: argparse.Namespace, cfgs: Mapping[str, TrainConfig],
     """`analyze` each finished run into its row of `results`: the descent (of the configs
     with a tied sub-layer) and the recursion (of --recursion-configs) for the first table's
     runs only. Returns None, or `_stopped`'s status when a signal came first."""
+    from cem_jax.compare_analysis import analyze
+
     recursion_stems = {_stem(n) for n in args.recursion_configs or ()}
     first = next(iter(plans.values()))
     for (stem, steps, seed), row in results.items():
@@ -247,6 +259,8 @@ def _budgets(text: str) -> list[str]:
 def _unwritable(out: Path, budgets: Sequence[str]) -> str:
     """Why the report cannot be written to `out` and its PNGs beside it ("" if it can);
     creates the folder of `out`."""
+    from cem_jax.compare_report import figure_names, figure_path
+
     for path in (out, *(figure_path(out, f) for f in figure_names(budgets))):
         if path.is_dir():
             return (f"--out {path} is a directory: give the Markdown file to write, e.g. "
@@ -280,6 +294,8 @@ def budget_steps(cfgs: Mapping[str, TrainConfig], baseline: str, steps: int, bud
     "flops" gives each the training FLOPs of `baseline` at `steps`, in whole steps:
     max(1, round(steps · F_baseline / F_config)), F = `flops_per_token` at the config's
     sequence length times its tokens per step (batch_size · seq_len)."""
+    from cem_jax.compare_report import step_flops
+
     if budget == "steps":
         return dict.fromkeys(cfgs, steps)
     target = steps * step_flops(cfgs[baseline])

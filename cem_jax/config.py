@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
-from cem_jax.config_files import check_field_types, load_section, require
+from cem_jax.config_files import check_field_types, did_you_mean, load_section, require
 
 # The enumerations of the model section (this module imports no JAX: a reader of configs, a
 # launcher or a data tool, loads none). ACTIVATION_NAMES: the activations `cem_jax.energies`
@@ -116,13 +117,17 @@ class ModelConfig:
         and speed only: the loss is the same).
     """
 
+    # The defaults are the tiny CEM model of configs/shakespeare_cem.yaml (`make train`, and
+    # `cem-train` without --config; the other sections' defaults are that file's too), but for
+    # scan_layers: a scan compiles a deep model once, where that file unrolls its 4 small layers
+    # (faster on a CPU).
     vocab_size: int = 2048
-    d_model: int = 256
+    d_model: int = 128
     num_layers: int = 4
-    num_heads: int = 4
+    num_heads: int = 2
     num_kv_heads: int | None = None
     head_dim: int | None = None
-    mlp_dim: int = 704
+    mlp_dim: int = 352
     activation: str = "silu"
     attention_kind: str | None = None
     mlp_kind: str | None = None
@@ -152,6 +157,10 @@ class ModelConfig:
     scan_layers: bool = True
     remat: str = "none"
     loss_chunks: int = 4
+    # Values computed from the fields that a config may name by mistake, and what sets them
+    # (`cem_jax.config_files.from_dict` says so).
+    SET_THROUGH: ClassVar[dict[str, str]] = {"kinds": "attention_kind and mlp_kind",
+                                             "kv_heads": "num_kv_heads", "head_width": "head_dim"}
 
     def __post_init__(self):
         self.validate()
@@ -245,8 +254,9 @@ class ModelConfig:
                 continue
             flags = sorted({flag for described in kinds.values() for flag in described})
             require(name in KIND_NAMES[role], field, name,
-                    f"one of {', '.join(KIND_NAMES[role])} (a kind of your own: register it "
-                    f"with cem_jax.kinds.register_kind in a module the config's imports names)")
+                    f"one of {', '.join(KIND_NAMES[role])}{did_you_mean(name, KIND_NAMES[role])} "
+                    f"(a kind of your own: register it with cem_jax.kinds.register_kind in a "
+                    f"module the config's imports names)")
             for flag in flags:
                 require(getattr(self, flag) == getattr(ModelConfig, flag), flag,
                         getattr(self, flag), f"left at its default when {field} names the kind")

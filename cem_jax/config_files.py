@@ -55,8 +55,17 @@ def require(ok: bool, field: str, value: Any, allowed: str) -> None:
         raise ConfigFieldError(field, value, allowed)
 
 
+def did_you_mean(name: Any, known: Sequence[str]) -> str:
+    """"; did you mean 'x'?" naming the one of `known` closest to `name` (a misspelling,
+    `difflib.get_close_matches`), or "" when none is close."""
+    close = difflib.get_close_matches(str(name), list(known), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def from_dict(cls: type[T], values: dict[str, Any], *, section: str = "") -> T:
-    """Build dataclass `cls` from a mapping; unknown keys raise `ValueError` with a suggestion."""
+    """Build dataclass `cls` from a mapping; unknown keys raise `ValueError` with a suggestion
+    (a close field name, or for a value `cls` computes, its `SET_THROUGH` entry: the fields
+    that set it)."""
     fields = {f.name for f in dataclasses.fields(cls)}
     where = f" in section {section!r}" if section else ""
     if not isinstance(values, dict):
@@ -64,8 +73,9 @@ def from_dict(cls: type[T], values: dict[str, Any], *, section: str = "") -> T:
                          f"field: value, not {values!r}")
     for key in values:
         if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            derived = getattr(cls, "SET_THROUGH", {}).get(key)
+            hint = (f": it is computed; set {derived} instead" if derived
+                    else did_you_mean(key, sorted(fields)))
             raise ValueError(f"unknown config field {key!r}{where}{hint} "
                              f"(known: {', '.join(sorted(fields))})")
     floats = {f.name for f in dataclasses.fields(cls) if str(f.type).startswith("float")}

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import jax
 from tqdm import tqdm
 
+from cem_jax.arguments import eval_parser
 from cem_jax.config import ModelConfig
 from cem_jax.data import DataConfig, Tokenizer, load_tokens, make_eval_batches
 from cem_jax.forward import EvalStep, make_eval_step
@@ -120,25 +121,15 @@ def evaluate_run(run: Run, text: str | None = None, corpus: str = "validation",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`cem-eval`; returns the exit status (0 ok, 1 the run or the text cannot be read, or
-    object storage is unreachable or failing: one line)."""
-    parser = argparse.ArgumentParser(prog="cem-eval", description="Loss, perplexity and bits "
-                                     "per byte of a checkpoint on a text.")
-    parser.add_argument("--run", required=True, help="run directory")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--text", help="text to evaluate on: a file, a glob, or FORMAT:PATH "
-                       "(text, jsonl, arrayrecord)")
-    where.add_argument("--corpus", default="validation", choices=("validation", "milton"),
-                       help="a built-in split of the run (default: validation)")
-    parser.add_argument("--allow-invalid-utf8", action="store_true",
-                        help="read invalid UTF-8 bytes as U+FFFD instead of refusing the text")
-    parser.add_argument("--steps", type=positive_int, metavar="N",
-                        help="CEM steps per sub-layer (default: the trained count; the steps "
-                        "share their weights, so a run evaluates at any N; the checkpoint is "
-                        "not changed)")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
+    """`cem-eval`; returns the exit status (0 ok; 1 a crash, or object storage unreachable or
+    failing: one line; 2 a usage error, or a run or text that cannot be read: a missing or
+    corrupt run directory, checkpoint or text file). The console script
+    (`cem_jax.commands.evaluate`) parses the arguments before JAX is imported."""
+    return run_command(eval_parser().parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`main` on parsed arguments (`cem_jax.arguments.eval_parser`)."""
     from cem_jax.checkpoint import CheckpointError
     from cem_jax.compilation_cache import use_compilation_cache
     from cem_jax.data import FetchError
@@ -152,23 +143,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = evaluate_run(run, args.text, args.corpus, progress=not args.no_progress,
                               allow_invalid_utf8=args.allow_invalid_utf8, steps=args.steps)
     except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
-        said = storage_error(err)
-        if said is None and not isinstance(err, (FileNotFoundError, CheckpointError,
-                                                 FetchError, ValueError)):
+        if (said := storage_error(err)) is not None:
+            print(f"cem-eval: error: {said}", file=sys.stderr)
+            return 1
+        if not isinstance(err, (FileNotFoundError, CheckpointError, FetchError, ValueError)):
             raise
-        print(f"cem-eval: error: {said or err}", file=sys.stderr)
-        return 1
+        print(f"cem-eval: error: {err}", file=sys.stderr)
+        return 2
     recursion = f" with {args.steps} CEM steps per sub-layer" if args.steps else ""
     print(f"{args.text or args.corpus} at step {run.step}{recursion}: {describe(result)} "
           f"({result['tokens']:,} tokens, {result['bytes']:,} bytes)")
     return 0
-
-
-def positive_int(text: str) -> int:
-    """argparse type: `text` as an integer >= 1; raises argparse.ArgumentTypeError otherwise."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
 
 
 if __name__ == "__main__":

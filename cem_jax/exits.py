@@ -1,6 +1,7 @@
 """How `cem-train` ends: its exit statuses, and its stops on SIGINT and SIGTERM at safe points.
 
-Exit statuses (`ExitStatus`; README "Training" and launch/README.md; the launchers act on them):
+Exit statuses (`ExitStatus`; docs/training.md and launch/README.md; the launchers act on them;
+docs/exit_statuses.md has every command's):
 
     0  FINISHED    every run.steps step taken and the final validation logged (also: a finished
                    run started again, a dry run)

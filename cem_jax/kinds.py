@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from cem_jax.config import KIND_CACHES, KIND_NAMES, ModelConfig
+from cem_jax.config_files import did_you_mean
 from cem_jax.energies import AttentionSpec, attention_energy, get_activation, mlp_energy
 from cem_jax.kvcache import Cache
 from cem_jax.updates import (
@@ -130,8 +131,9 @@ def get_kind(name: str) -> Kind:
     """The registered kind called `name`; raises ValueError listing the known ones and how a
     user's kind is registered."""
     if name not in KINDS:
-        raise ValueError(f"unknown sub-layer kind {name!r}; known: {', '.join(KINDS)} (a kind "
-                         f"of your own: register_kind in a module the config's imports names)")
+        raise ValueError(f"unknown sub-layer kind {name!r}{did_you_mean(name, list(KINDS))} "
+                         f"(known: {', '.join(KINDS)}; a kind of your own: register_kind in a "
+                         f"module the config's imports names)")
     return KINDS[name]
 
 

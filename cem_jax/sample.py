@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cem_jax.arguments import sample_parser
 from cem_jax.config import ModelConfig
 from cem_jax.data.batches import document_positions
-from cem_jax.evaluate import positive_int
 from cem_jax.kvcache import cache_bytes
 from cem_jax.memory import check_fits, is_out_of_memory
 from cem_jax.model import init_cache, model_from_params
@@ -205,10 +205,16 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`cem-sample`: print continuations of the prompts; returns the exit status (0 ok,
-    1 the run cannot be loaded, or object storage is unreachable or failing: one line; 2 bad
-    arguments)."""
-    args = _parser().parse_args(argv)
+    """`cem-sample`: print continuations of the prompts; returns the exit status (0 ok; 1 a
+    crash, or object storage unreachable or failing: one line; 2 a usage error or a run that
+    cannot be sampled as asked: a missing or unreadable run directory or checkpoint, a bad
+    option value, a decode that does not fit in memory). The console script
+    (`cem_jax.commands.sample`) parses the arguments before JAX is imported."""
+    return run_command(sample_parser().parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`main` on parsed arguments (`cem_jax.arguments.sample_parser`)."""
     # the training stack (checkpoint loading) is imported only by the command
     from cem_jax.checkpoint import CheckpointError
     from cem_jax.compilation_cache import use_compilation_cache
@@ -220,12 +226,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = load_run(args.run, args.step)
         use_compilation_cache(run.config)
     except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
-        said = storage_error(err)
-        if said is None and not isinstance(err, (FileNotFoundError, CheckpointError,
-                                                 ValueError)):
+        if (said := storage_error(err)) is not None:
+            print(f"cem-sample: error: {said}", file=sys.stderr)
+            return 1
+        if not isinstance(err, (FileNotFoundError, CheckpointError, ValueError)):
             raise
-        print(f"cem-sample: error: {said or err}", file=sys.stderr)
-        return 1
+        print(f"cem-sample: error: {err}", file=sys.stderr)
+        return 2
     tok = run.tokenizer
     try:
         sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
@@ -250,33 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cem-sample: error: decoding needs more memory than the device has "
               f"({str(err).splitlines()[0]}); lower --max-new-tokens or the number of prompts",
               file=sys.stderr)
-        return 1
+        return 2
     for text, row, n in zip(texts, out.tokens, out.lengths, strict=True):
         print(text + tok.decode(row[:n]))
         print("-" * 40)
     return 0
-
-
-def _parser() -> argparse.ArgumentParser:
-    """The arguments of `cem-sample`."""
-    parser = argparse.ArgumentParser(prog="cem-sample", description="Generate text from a "
-                                     "trained run with a cached, compiled decode loop.")
-    parser.add_argument("--run", required=True, help="run directory")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    parser.add_argument("--prompt", action="append", default=None,
-                        help="prompt text; repeat for a batch (default: one empty prompt)")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-stop-at-eos", action="store_true",
-                        help="keep generating after the end-of-document token")
-    parser.add_argument("--steps", type=positive_int, metavar="N",
-                        help="CEM steps per sub-layer (default: the trained count; the steps "
-                        "share their weights, so a run decodes at any N; the checkpoint is not "
-                        "changed)")
-    return parser
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Shared test settings: hypothesis profile sized for a 2-core CPU machine; a local GCS emulator
-for tests of gs:// (`gcs_bucket`)."""
+for tests of gs:// (`gcs_bucket`); the test tiers' markers; the summary's count of the tests
+`make test` leaves out."""
 
 import json
 import os
@@ -137,3 +138,55 @@ def gcs_bucket(gcs_emulator) -> str:
     urllib.request.urlopen(request, timeout=10).close()
     _fresh_gcsfs()
     return f"gs://{name}"
+
+
+# The tiers (CONTRIBUTING.md). `slow`: a test that starts processes or runs long; `service`: one
+# that needs a local service started for it, the storage emulator (marked here, from its
+# fixtures); `device`: one that needs an accelerator (skipped without one). `make test` runs
+# neither slow nor service tests, `make test-all` every test.
+def pytest_collection_modifyitems(config, items):
+    accelerator = None
+    for item in items:
+        if "gcs_emulator" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.service)
+        if item.get_closest_marker("device") is not None:
+            if accelerator is None:
+                import jax
+
+                accelerator = jax.default_backend() != "cpu"
+            if not accelerator:
+                item.add_marker(pytest.mark.skip(reason="needs an accelerator (a GPU or TPU)"))
+
+
+# With pytest-xdist the summary does not say how many tests `-m` deselected: the collection,
+# and so the count, is the workers'. Each worker counts them and hands the number to the
+# controller (xdist's workeroutput), whose summary says it with the way to run them.
+_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_deselected(items):
+    if items:
+        stash = items[0].config.stash
+        stash[_DESELECTED] = stash.get(_DESELECTED, 0) + len(items)
+
+
+def pytest_sessionfinish(session):
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:  # a pytest-xdist worker
+        output["deselected"] = session.config.stash.get(_DESELECTED, 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # pytest-xdist's controller, as a worker ends
+    count = getattr(node, "workeroutput", {}).get("deselected")
+    if count is not None:  # each worker collected every test: the same count
+        stash = node.config.stash
+        stash[_DESELECTED] = max(count, stash.get(_DESELECTED, 0))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    count = config.stash.get(_DESELECTED, 0)
+    if count and config.option.markexpr:  # -m "not slow and not service" (not a -k alone)
+        terminalreporter.write_line(f"{count} slow or service test{'s' * (count != 1)} "
+                                    f"deselected ({config.option.markexpr}): `make test-all` "
+                                    "runs them")

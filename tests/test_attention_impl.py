@@ -59,7 +59,7 @@ def test_the_config_refuses_cudnn_with_float32_or_dplr():
     with pytest.raises(ValueError, match="'impl' = 'cudnn'.*dtype='bfloat16'"):
         ModelConfig(impl="cudnn")
     with pytest.raises(ValueError, match="K \\+ D = 320 wide, cuDNN takes at most 256"):
-        ModelConfig(impl="cudnn", dtype="bfloat16", interaction="dplr")
+        ModelConfig(impl="cudnn", dtype="bfloat16", interaction="dplr", d_model=256, num_heads=4)
     assert ModelConfig(impl="cudnn", dtype="bfloat16").impl == "cudnn"
 
 
@@ -90,6 +90,7 @@ def test_auto_on_this_cpu_is_the_xla_model_bit_for_bit():
         np.testing.assert_array_equal(logits["auto"], logits["xla"])
 
 
+@pytest.mark.device
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN runs on a GPU only (the "
                     "device run, benchmarks/gpu_kernels.sh)")
 @pytest.mark.parametrize("tied", [True, False])

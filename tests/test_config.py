@@ -161,3 +161,25 @@ def test_kinds_are_chosen_by_name_or_by_the_flags():
     with pytest.raises(ValueError, match="'tie_mlp' = False .* left at its default when "
                                          "mlp_kind names the kind"):
         ModelConfig(mlp_kind="swiglu", tie_mlp=False)
+
+
+def test_a_misspelt_kind_name_gets_a_suggestion():
+    """As a misspelt config field does: the closest kind of the role (difflib), in the config
+    and in the registry; a computed value (`model.kinds`) names the fields that set it."""
+    from cem_jax.kinds import get_kind
+    from cem_jax.train_config import load_config
+
+    with pytest.raises(ValueError, match=r"'model.attention_kind' = 'llama_atention' is invalid: "
+                                         r"it must be one of .*; did you mean 'llama_attention'\?"):
+        load_config(None, ["model.attention_kind=llama_atention"])
+    with pytest.raises(ValueError, match=r"'mlp_kind' = 'swigl' .*; did you mean 'swiglu'\?"):
+        ModelConfig(mlp_kind="swigl")
+    with pytest.raises(ValueError) as far:  # nothing close: no suggestion
+        ModelConfig(mlp_kind="cem_attention")
+    assert "did you mean" not in str(far.value)
+    with pytest.raises(ValueError, match=r"unknown sub-layer kind 'cem_atention'; did you mean "
+                                         r"'cem_attention'\? \(known: cem_attention, "):
+        get_kind("cem_atention")
+    with pytest.raises(ValueError, match=r"unknown config field 'kinds' in section 'model': it "
+                                         r"is computed; set attention_kind and mlp_kind instead"):
+        load_config(None, ["model.kinds=[llama_atention, swiglu]"])

@@ -14,7 +14,10 @@ from cem_jax.train_config import load_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 # What each config set apart from the TrainConfig defaults, taken from the full files before
-# they became deltas of a base; every other field must resolve to its default.
+# they became deltas of a base; every other field must resolve to its default. The defaults are
+# now the Shakespeare family's values but for model.scan_layers and run.dir
+# (`test_the_defaults_train_what_make_train_trains`); the 100M family states the empty
+# sample_prompt it had from the defaults before.
 SHAKESPEARE = {"model": {"d_model": 128, "num_heads": 2, "mlp_dim": 352, "scan_layers": False},
                "data": {"seq_len": 128}, "optimizer": {"lr": 0.01},
                "run": {"steps": 1500, "eval_every": 250, "checkpoint_every": 250,
@@ -27,7 +30,7 @@ SET_100M = {
              "num_threads": 4},
     "optimizer": {"lr": 0.0006, "warmup_steps": 2000},
     "run": {"steps": 10000, "log_every": 50, "eval_every": 1000, "eval_batches": 20,
-            "checkpoint_every": 1000}}
+            "checkpoint_every": 1000, "sample_prompt": ""}}
 LLAMA = {"tie_attention": False, "tie_mlp": False, "preconditioner": "none"}
 # name: (its family's values, its own model fields, expected_params)
 CASES = {
@@ -90,3 +93,15 @@ def test_variants_are_deltas_of_one_base_per_family():
         name: None if name in ("shakespeare_cem", "cem_full_100m") else
         "shakespeare_cem.yaml" if name.startswith("shakespeare") else "cem_full_100m.yaml"
         for name in CASES}
+
+
+def test_the_defaults_train_what_make_train_trains():
+    """`cem-train` without --config trains what `make train` (its TRAIN_CONFIG) trains: the
+    same model, data, optimizer and steps; only the layout of the layers (one scan: the
+    default for deep models; the file unrolls its 4 small ones, faster on a CPU) differs, so
+    its checkpoints go to a directory of their own."""
+    makefile = (CONFIGS.parent / "Makefile").read_text(encoding="utf-8")
+    assert "TRAIN_CONFIG ?= configs/shakespeare_cem.yaml" in makefile
+    want = load_config(CONFIGS / "shakespeare_cem.yaml").to_dict()
+    want["model"]["scan_layers"], want["run"]["dir"] = True, "runs/default"
+    assert load_config(None).to_dict() == want

@@ -1,12 +1,14 @@
-"""The import contracts of pyproject.toml (`lint-imports`: the config modules load no JAX, the
-model's modules import one way, no package or module imports in a circle), and what importing a
-config module loads in a fresh process."""
+"""The import contracts of pyproject.toml (`lint-imports`: the config modules and the commands'
+argument parsers load no JAX, the model's modules import one way, no package or module imports
+in a circle), what importing a config module loads in a fresh process, and that every command
+answers `--help` without loading JAX."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -30,3 +32,27 @@ def test_a_config_module_loads_no_jax(module):
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == []
+
+
+SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore", "scipy", "torch")
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_a_command_answers_help_before_it_imports_jax(script):
+    """`cem-X --help` runs its entry point (pyproject.toml [project.scripts]) in a fresh process:
+    status 0, its usage printed, and none of the heavy libraries imported (a --help that loads
+    JAX takes seconds)."""
+    module, function = SCRIPTS[script].split(":")
+    code = (f"import json, sys; sys.argv = [{script!r}, '--help']\n"
+            f"from {module} import {function}\n"
+            f"try:\n    status = {function}()\nexcept SystemExit as stop:\n"
+            f"    status = stop.code\n"
+            f"print(json.dumps([status, sorted(m for m in sys.modules "
+            f"if m.split('.')[0] in {HEAVY!r})]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    *usage, last = result.stdout.splitlines()
+    assert f"usage: {script} " in "\n".join(usage)
+    assert json.loads(last) == [0, []], last

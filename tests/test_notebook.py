@@ -123,6 +123,7 @@ def test_install_cell_installs_from_repo_url(monkeypatch, url, target):
     assert commands == [[sys.executable, "-m", "pip", "install", "-q", *target]]
 
 
+@pytest.mark.slow
 def test_energy_playground_runs(tmp_path, monkeypatch):
     write_kernelspec(tmp_path / "jupyter")
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))

@@ -16,10 +16,13 @@ option (`--corpus data/*.txt`, `--cache-dir DIR`, ...), applied last. A run then
 dataset: `data.corpus=DIR` (it tokenizes nothing). A tokenizer to train without a
 `data.vocab_size` gets the config's `model.vocab_size`, as in `cem-train`.
 
-Exit status: 0 done; 1 bad input, a damaged dataset, or object storage that cannot be reached
-or fails (one line on stderr, no traceback: nothing was lost, run the same command again once
-it answers); 128 + the signal when SIGINT or SIGTERM stopped it (130, 143: `tokenize` keeps its
-finished units, and the same command resumes at the first unfinished one).
+Exit status (docs/exit_statuses.md): 0 done; 1 a crash (its traceback), or object storage that
+cannot be reached or fails (one line on stderr, no traceback: nothing was lost, run the same
+command again once it answers); 2 a usage or config error, or bad input: a missing file, a
+corpus that cannot be fetched, a damaged dataset (one line; `verify`: a line per damaged
+shard), where running it again will not help; 128 + the signal when SIGINT or SIGTERM stopped
+it (130, 143: `tokenize` keeps its finished units, and the same command resumes at the first
+unfinished one).
 """
 
 from __future__ import annotations
@@ -31,31 +34,29 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-
-import numpy as np
-from tqdm import tqdm
+from typing import TYPE_CHECKING
 
 from cem_jax import exits
 from cem_jax.config import ModelConfig
 from cem_jax.config_files import load_section
-from cem_jax.data import files, shakespeare, shards
-from cem_jax.data.batches import make_train_iterator
+from cem_jax.data import files, shakespeare
 from cem_jax.data.config import DataConfig, with_vocab_size
-from cem_jax.data.pipeline import (
-    build_tokenizer,
-    cache_dataset_root,
-    fetch_archive,
-    load_tokens,
-    source_of,
-)
 from cem_jax.data.storage_errors import storage_error
-from cem_jax.data.tokenize import tokenize_dataset
-from cem_jax.data.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from cem_jax.data.tokenizer import Tokenizer
+
+# The modules that import numpy or JAX (the tokenizers, the pipeline, the batches) are imported
+# by the subcommand that needs them, after the arguments are parsed: `cem-data --help` and a
+# usage error answer at once.
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `cem-data`; returns the exit status (1 with a one-line message on bad input, a
-    damaged dataset or a storage failure; 128 + the signal when one stopped it)."""
+    """Run `cem-data`; returns the exit status (2 with a one-line message on bad input or a
+    damaged dataset, 1 on a storage failure or a crash; 128 + the signal when one stopped
+    it)."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is not tokenize:
@@ -78,16 +79,19 @@ def _run(args: argparse.Namespace) -> int:
               f"the same command resumes at the first unfinished one", file=sys.stderr)
         return 128 + (exits.received() or signal.SIGINT)
     except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
-        said = storage_error(err)
-        if said is None and not isinstance(err, (ValueError, FileNotFoundError,
-                                                 shakespeare.FetchError)):
+        if (said := storage_error(err)) is not None:
+            print(f"cem-data {args.command.__name__}: error: {said}", file=sys.stderr)
+            return 1
+        if not isinstance(err, (ValueError, FileNotFoundError, shakespeare.FetchError)):
             raise
-        print(f"cem-data {args.command.__name__}: error: {said or err}", file=sys.stderr)
-        return 1
+        print(f"cem-data {args.command.__name__}: error: {err}", file=sys.stderr)
+        return 2
 
 
 def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
     """Fetch and verify the archive; list the works of each split with their sizes."""
+    from cem_jax.data.pipeline import fetch_archive, source_of
+
     archive = fetch_archive(cfg)
     print(f"archive: {archive}\nSHA-256: {shakespeare.ARCHIVE_SHA256} (verified)")
     works = shakespeare.read_works(archive, shakespeare.SHAKESPEARE_DIR)
@@ -103,6 +107,11 @@ def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:
 
 def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
     """Tokenize the corpus once into a dataset (--out DIR, or the cache as cem-train would)."""
+    from tqdm import tqdm
+
+    from cem_jax.data.pipeline import build_tokenizer, cache_dataset_root, source_of
+    from cem_jax.data.tokenize import tokenize_dataset
+
     save = [Path(args.save_tokenizer)] if args.save_tokenizer else []
     _refuse_existing(save)  # before a tokenizer is trained
     tokenizer = build_tokenizer(cfg, check=exits.check)
@@ -149,19 +158,24 @@ def _refuse_existing(paths: list[str | Path]) -> None:
 
 def verify(cfg: DataConfig, args: argparse.Namespace) -> int:
     """Check every shard of a tokenized dataset against its manifest (size and SHA-256)."""
+    from cem_jax.data import shards
+
     problems = shards.verify(args.dataset)
     for line in problems:
         print(f"damaged: {line}", file=sys.stderr)
     if problems:
         print(f"{args.dataset}: {len(problems)} damaged shard(s); tokenize it again",
               file=sys.stderr)
-        return 1
+        return 2
     print(f"{args.dataset}: every shard matches its manifest")
     return 0
 
 
 def inspect(cfg: DataConfig, args: argparse.Namespace) -> None:
     """Counts per split, the held-out works, and the first training batch decoded."""
+    from cem_jax.data.batches import make_train_iterator
+    from cem_jax.data.pipeline import build_tokenizer, source_of
+
     tokenizer = build_tokenizer(cfg)
     _print_counts(cfg, tokenizer)
     if cfg.corpus == "shakespeare" and cfg.val_corpus is None:
@@ -178,6 +192,8 @@ def inspect(cfg: DataConfig, args: argparse.Namespace) -> None:
 
 def _print_counts(cfg: DataConfig, tokenizer: Tokenizer,
                   check: Callable[[], None] | None = None) -> None:
+    from cem_jax.data.pipeline import load_tokens
+
     print(f"tokenizer: {tokenizer.kind}, vocab {tokenizer.vocab_size}, SHA-256 "
           f"{tokenizer.sha256[:16]}…, pad {tokenizer.pad_id}, unk {tokenizer.unk_id}, "
           f"bos {tokenizer.bos_id}, eos {tokenizer.eos_id}")
@@ -202,6 +218,8 @@ def _print_held_out(works: dict[str, bytes], total: int) -> None:
 
 
 def _print_row(tokenizer: Tokenizer, inputs: np.ndarray, segment_ids: np.ndarray) -> None:
+    import numpy as np
+
     for segment in np.unique(segment_ids):
         ids = inputs[segment_ids == segment]
         starts = "starts with EOS" if ids[0] == tokenizer.eos_id else "continues a document"

@@ -74,7 +74,7 @@ class DataConfig:
     text_column: str = "text"
     tokenizer: str | None = None
     vocab_size: int | None = None
-    seq_len: int = 256
+    seq_len: int = 128
     batch_size: int = 32
     seed: int = 0
     num_threads: int = 2

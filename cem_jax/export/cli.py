@@ -3,10 +3,11 @@
     cem-export --run runs/cem [--step N] --format safetensors|hf-llama|hf --out DIR [--overwrite]
     cem-import --hf llama_dir --out runs/llama-ft [--config base.yaml] [section.key=value ...]
 
-Exit status: 0 written; 1 the input cannot be read, the format cannot express the model (the
-message names the feature), --out may not be written (`output.check_destination`) or object
-storage is unreachable or failing (one line, `cem_jax.data.storage_errors.storage_error`); 2 bad
-arguments.
+Exit status (docs/exit_statuses.md): 0 written; 1 a crash (its traceback), or object storage
+unreachable or failing (one line, `cem_jax.data.storage_errors.storage_error`: run it again); 2
+a usage error, or what running it again will not change (one line): the input cannot be read
+(a missing run directory, checkpoint or file, a bad config), the format cannot express the
+model (the message names the feature), --out may not be written (`output.check_destination`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from cem_jax.checkpoint import CheckpointError
     from cem_jax.data import find_tokenizer
-    from cem_jax.data.storage_errors import storage_error
     from cem_jax.export import hf, hf_llama, safetensors_io
     from cem_jax.export.output import ExportError, check_destination
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
@@ -51,13 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = load_run(args.run, args.step)
         out = write(run.params, run.config.model, run.tokenizer, args.out, args.overwrite)
     except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
-        said = storage_error(err)
-        if said is None and not isinstance(err, (ExportError, CheckpointError,
-                                                 FileNotFoundError, FileExistsError,
-                                                 ValueError)):
-            raise
-        print(f"cem-export: error: {said or err}", file=sys.stderr)
-        return 1
+        return _failed("cem-export", err, (ExportError, CheckpointError, FileNotFoundError,
+                                           FileExistsError, ValueError))
     print(f"wrote {args.format} export of {run.directory} step {run.step} to {out}")
     return 0
 
@@ -82,8 +77,23 @@ def import_main(argv: Sequence[str] | None = None) -> int:
         tokenizer_name = os.path.basename(find_tokenizer(args.hf))
         check_destination(args.out, args.overwrite, args.hf, files(tokenizer_name))
         out = import_llama(args.hf, args.out, args.config, args.overrides, args.overwrite)
-    except (ExportError, FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"cem-import: error: {err}", file=sys.stderr)
-        return 1
+    except Exception as err:
+        return _failed("cem-import", err, (ExportError, FileNotFoundError, FileExistsError,
+                                           ValueError))
     print(f"wrote baseline run directory {out} (checkpoint 0) from {args.hf}")
     return 0
+
+
+def _failed(program: str, err: Exception, refusals: tuple[type[Exception], ...]) -> int:
+    """The exit status of a command that `err` ended, after its one line on stderr: 1 for a
+    storage failure (`storage_error`: run it again), 2 for one of `refusals` (the input or
+    --out as given); any other error is a crash: raised (its traceback, status 1)."""
+    from cem_jax.data.storage_errors import storage_error
+
+    if (said := storage_error(err)) is not None:
+        print(f"{program}: error: {said}", file=sys.stderr)
+        return 1
+    if not isinstance(err, refusals):
+        raise err
+    print(f"{program}: error: {err}", file=sys.stderr)
+    return 2

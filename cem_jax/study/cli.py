@@ -22,20 +22,27 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cem_jax import exits
-from cem_jax.compare_report import step_flops
-from cem_jax.study.analysis import Results
-from cem_jax.study.plan import Study, flops_steps, load_study, plan
-from cem_jax.study.records import dirty_tree, read_records, train_and_record
-from cem_jax.study.report import write_report
 from cem_jax.train_config import load_config
+
+if TYPE_CHECKING:
+    from cem_jax.study.analysis import Results
+    from cem_jax.study.plan import Study
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `cem-study`; returns its exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    # imported once the arguments are parsed (they import JAX): --help answers at once
+    from cem_jax.compare_report import step_flops
+    from cem_jax.study.analysis import Results
+    from cem_jax.study.plan import flops_steps, load_study
+    from cem_jax.study.records import dirty_tree, read_records, train_and_record
+    from cem_jax.study.report import write_report
+
     try:
         study = load_study(args.study)
         flops = {name: step_flops(load_config(c.file, [*study.overrides, *c.overrides]))
@@ -99,6 +106,8 @@ def _check_writable(folder: Path, field: str) -> None:
 
 
 def _planned(study: Study, results: Results, flops: dict[str, float]):
+    from cem_jax.study.plan import plan
+
     sweeps = {name: results.sweep(name) for name in study.all_configs()}
     return plan(study, sweeps, flops)
 

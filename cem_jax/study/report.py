@@ -114,7 +114,9 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
     recs = list(results.records.values())
     done = [k for k in planned if k in results.records]
     core = study.configs
-    sweep = (lambda k: k.steps == study.sweep_steps and k.seed == study.sweep_seed)
+    def sweep(k: RunKey) -> bool:
+        return k.steps == study.sweep_steps and k.seed == study.sweep_seed
+
     parts = {"the learning-rate sweep": lambda k: k.name in core and sweep(k),
              "the seeds at each config's best rate": lambda k: k.name in core
              and k.steps == study.steps and not sweep(k),
@@ -136,6 +138,8 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
     observed = ""
     if sds:
         sd = statistics.median(sds)
+        reach = equivalence_margin(study.seeds, sd, study.alpha, study.power,
+                                   study.assumed_delta)
         observed = ((f" The paired standard deviations observed{so_far}, in the {len(sds)} "
                      "comparisons of the equal-steps table with ≥ 3 seeds, range from "
                      f"{min(sds):.4f} to {max(sds):.4f} bits/byte (median {sd:.4f}); at the "
@@ -143,8 +147,7 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
                      f" The paired standard deviation observed{so_far}, in the one comparison of "
                      f"the equal-steps table with ≥ 3 seeds, is {sd:.4f} bits/byte; at that sd")
                     + f", {study.seeds} seeds give {study.power:.0%} power (at a true difference "
-                    f"of {study.assumed_delta:g}) for a margin of ±"
-                    f"{equivalence_margin(study.seeds, sd, study.alpha, study.power, study.assumed_delta):.3f}.")
+                    f"of {study.assumed_delta:g}) for a margin of ±{reach:.3f}.")
     status = ("The study is complete." if complete else
               f"**The study is not complete**: {_count(len(planned) - len(done), 'planned run')}"
               f" {'has' if len(planned) - len(done) == 1 else 'have'} no file yet, and later "

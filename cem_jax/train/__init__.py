@@ -14,15 +14,18 @@ __all__ = ["TrainConfig", "TrainingDiverged", "load_config", "main", "train"]
 
 
 def main(argv=None) -> int:
-    """`cem-train` (`cem_jax.train.command.main`); returns its exit status
-    (`cem_jax.exits.ExitStatus`). SIGINT and SIGTERM are caught from the start: one that
-    comes while JAX is imported stops it right after the imports."""
+    """`cem-train` (`cem_jax.train.command.run_command`); returns its exit status
+    (`cem_jax.exits.ExitStatus`). The arguments are parsed before JAX is imported (`--help`
+    and a usage error, status 2, answer at once); SIGINT and SIGTERM are caught from the
+    start: one that comes while JAX is imported stops it right after the imports."""
     from cem_jax import exits
+    from cem_jax.arguments import parse_train_args
 
     with exits.caught("cem-train"):
-        from cem_jax.train.command import main as train_main
+        args = parse_train_args(argv)
+        from cem_jax.train.command import run_command
 
-        return train_main(argv)
+        return run_command(args)
 
 
 def __getattr__(name: str):

@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 
 from cem_jax import exits
+from cem_jax.arguments import parse_train_args
 from cem_jax.checkpoint import CheckpointError, complete_steps
 from cem_jax.data import files
 from cem_jax.data.shakespeare import FetchError
@@ -57,23 +58,13 @@ _DISK_FULL_ADVICE = {errno.ENOSPC: "free space there or give another run.dir",
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `cem-train`; returns its exit status (`ExitStatus`: 0 finished, 1 crashed, 2 cannot
     run as configured, 3 diverged, 75 stopped by a signal), after one line on stderr saying why
-    it ended (a crash prints its traceback first)."""
-    parser = argparse.ArgumentParser(prog="cem-train", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", help="YAML config file (default: all defaults)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="override config fields, e.g. run.steps=20 optimizer.lr=3e-3")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="compile one train step on abstract inputs and print parameters, "
-                             "mesh, batch, per-device memory and FLOPs; reads no data and "
-                             "writes nothing")
-    parser.add_argument("--target", metavar="NAME",
-                        help="with --dry-run: lower (not compile) the train step for a TPU or "
-                             "GPU topology this host lacks, e.g. tpu-v5p-32, tpu-v6e-16, "
-                             "gpu-h200-8 (cem_jax.train.targets.TARGETS), and print per-device "
-                             "state bytes, shardings and kernels")
-    args = parser.parse_args(argv)
-    if args.target is not None and not args.dry_run:
-        parser.error("--target needs --dry-run (it lowers for the target, it does not train)")
+    it ended (a crash prints its traceback first). `cem_jax.train.main` is the same, with the
+    arguments parsed before JAX is imported."""
+    return run_command(parse_train_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`main` on parsed arguments (`cem_jax.arguments.parse_train_args`)."""
     log_to_stdout()
     try:
         cfg = load_config(args.config, args.overrides)

@@ -45,7 +45,7 @@ def test_data_section_of_a_config_with_overrides_then_options(small_cfg, tmp_pat
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "inputs int32[5, 24]" in out and data["val_corpus"] in out
-    assert main(["inspect", "--config", str(tmp_path / "run.yaml"), "model.d_model=4"]) == 1
+    assert main(["inspect", "--config", str(tmp_path / "run.yaml"), "model.d_model=4"]) == 2
     assert capsys.readouterr().err == ("cem-data inspect: error: override 'model.d_model=4' is "
                                        "not in section 'data', the only one read here\n")
 
@@ -93,24 +93,24 @@ def test_tokenize_with_a_tokenizer_json_saves_it_with_its_special_tokens(
     assert (loaded.sha256, loaded.eos_id, loaded.pad_id) == (original.sha256, 0, 1)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "tokenizer_config.json").write_text("{}")  # the user's: kept
-    assert main([*args[:-1], str(tmp_path / "other" / "tokenizer.json")]) == 1
+    assert main([*args[:-1], str(tmp_path / "other" / "tokenizer.json")]) == 2
     assert capsys.readouterr().err == (
         f"cem-data tokenize: error: {tmp_path / 'other' / 'tokenizer_config.json'} exists (a "
         f"run's tokenizer must match its checkpoints): choose a new --save-tokenizer path\n")
     assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["tokenizer_config.json"]
 
 
-def test_bad_input_is_one_line_and_exit_status_1(tmp_path, capsys):
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys):
     (tmp_path / "bad.txt").write_bytes(b"abc\xfe")
     assert main(["tokenize", "--corpus", str(tmp_path / "bad.txt"), "--cache-dir",
-                 str(tmp_path)]) == 1
+                 str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cem-data tokenize: error: ") and "byte offset 3" in err
-    assert main(["inspect", "--seq-len", "0"]) == 1
+    assert main(["inspect", "--seq-len", "0"]) == 2
     assert "'seq_len' = 0 is invalid" in capsys.readouterr().err
-    assert main(["inspect", "data.seq_len=1"]) == 1
+    assert main(["inspect", "data.seq_len=1"]) == 2
     assert "config field 'data.seq_len' = 1 is invalid" in capsys.readouterr().err
-    assert main(["inspect", "data.seq_lenn=1"]) == 1
+    assert main(["inspect", "data.seq_lenn=1"]) == 2
     assert "did you mean 'seq_len'" in capsys.readouterr().err
 
 
@@ -120,7 +120,7 @@ def test_a_cache_dir_in_a_file_is_a_clear_error(tmp_path, capsys, command, cache
     (tmp_path / "cache").write_text("a file\n")
     (tmp_path / "a.txt").write_text("some text\n")
     assert main([command, "--cache-dir", str(tmp_path / cache_dir), "--corpus",
-                 str(tmp_path / "a.txt")]) == 1
+                 str(tmp_path / "a.txt")]) == 2
     assert capsys.readouterr().err == (
         f"cem-data {command}: error: the cache directory {tmp_path / cache_dir} cannot be used: "
         f"{tmp_path / 'cache'} is a file; set data.cache_dir (cem-data --cache-dir) or "

@@ -11,7 +11,7 @@ from cem_jax.data import DataConfig
 def test_defaults_describe_the_tiny_run():
     cfg = DataConfig()
     assert (cfg.corpus, cfg.vocab_size, cfg.seq_len, cfg.batch_size) == ("shakespeare", None,
-                                                                          256, 32)
+                                                                          128, 32)
     assert all(isinstance(getattr(cfg, f.name), (str, int, float, bool, type(None)))
                for f in dataclasses.fields(cfg))
 

@@ -152,7 +152,7 @@ def test_a_damaged_shard_is_named(corpus, tmp_path, small_tokenizer_path, capsys
     stream = TokenStream(manifest, "documents", tokenizer.vocab_size)
     with pytest.raises(DatasetError, match=f"shard {shard} is damaged: it holds token id 65535"):
         stream.read(0, len(stream))
-    assert data_main(["verify", str(root)]) == 1
+    assert data_main(["verify", str(root)]) == 2
     assert f"damaged: {shard}: SHA-256 differs" in capsys.readouterr().err
     shard.write_bytes(bytes(data[:-6]))  # truncated
     with pytest.raises(DatasetError, match=f"shard {shard} is damaged: {len(data) - 6:,} bytes"):

@@ -181,7 +181,7 @@ def test_cem_import_of_a_llama3_config_writes_its_scaling(tmp_path, corpus, caps
     (hf / "config.json").write_text(json.dumps({**config, "rope_parameters": {
         "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}}))
     capsys.readouterr()
-    assert cli.import_main(["--hf", str(hf), "--out", str(tmp_path / "other")]) == 1
+    assert cli.import_main(["--hf", str(hf), "--out", str(tmp_path / "other")]) == 2
     assert capsys.readouterr().err == ("cem-import: error: RoPE scaling rope_type='longrope' is "
                                        "not supported: cem_jax implements default, linear, "
                                        "llama3\n")

@@ -83,7 +83,7 @@ def test_a_trained_import_is_never_replaced(llama_dir, tmp_path, capsys):
     assert available_steps(imported) == [0, 2]
     before = _files(imported)
     for command, status, err in _replacements(llama, run, imported, cfg, capsys):
-        assert (command, status) == (command, 1)
+        assert (command, status) == (command, 2)
         assert (f"{imported} holds a training run (metrics.jsonl): it is never replaced by an "
                 "export or import, --overwrite or not; choose another --out") in err
     assert _files(imported) == before and available_steps(imported) == [0, 2]
@@ -95,7 +95,7 @@ def test_a_trained_import_is_never_replaced(llama_dir, tmp_path, capsys):
     (imported / "metrics.jsonl").unlink()
     before = _files(imported)
     for command, status, err in _replacements(llama, run, imported, cfg, capsys):
-        assert (command, status) == (command, 1)
+        assert (command, status) == (command, 2)
         assert f"{imported} holds a training run (checkpoint 2)" in err
     assert _files(imported) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["from_llama", "llama", "run"]
@@ -108,7 +108,7 @@ def test_a_held_lock_always_refuses(llama_dir, tmp_path, capsys):
     before = _files(imported)
     with _held_lock(imported):
         for command, status, err in _replacements(llama, tmp_path / "run", imported, cfg, capsys):
-            assert (command, status) == (command, 1)
+            assert (command, status) == (command, 2)
             assert (f"{imported} is in use by cem-train (pid 1234 on elsewhere): a training run "
                     "is never replaced by an export or import; choose another --out") in err
     assert _files(imported) == {**before, ".lock": b"pid 1234 on elsewhere"}
@@ -148,7 +148,7 @@ def test_overwrite_replaces_only_what_the_earlier_export_wrote(make_run, tmp_pat
     (out / "generation_config.json").write_text('{"mine": true}')
     before = _files(out)
     capsys.readouterr()
-    assert cli.main([*args, "--format", "hf", "--overwrite"]) == 1
+    assert cli.main([*args, "--format", "hf", "--overwrite"]) == 2
     assert (f"{out} holds generation_config.json, which the earlier cem-export or cem-import "
             "did not write and this one would replace: move it elsewhere or choose another "
             "--out") in capsys.readouterr().err
@@ -173,7 +173,7 @@ def test_an_old_marker_without_a_file_list(make_run, tmp_path, capsys):
     (out / "README.md").write_text("# my model card")
     before = _files(out)
     capsys.readouterr()
-    assert cli.main([*args, "--format", "hf-llama", "--overwrite"]) == 1
+    assert cli.main([*args, "--format", "hf-llama", "--overwrite"]) == 2
     assert (f"{out} holds README.md besides the files of an earlier output whose marker (of an "
             "older cem_jax) lists none, so --overwrite cannot tell them apart: move README.md "
             "elsewhere or choose another --out") in capsys.readouterr().err

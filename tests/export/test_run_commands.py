@@ -15,7 +15,7 @@ import optax
 import pytest
 import safetensors.numpy
 
-from cem_jax import evaluate, sample
+from cem_jax import commands, evaluate, sample
 from cem_jax.checkpoint import CheckpointError
 from cem_jax.export import cli
 from cem_jax.export.safetensors_io import load_safetensors
@@ -69,7 +69,7 @@ def test_cem_eval_offers_its_own_option_for_invalid_utf8(make_run, tmp_path, cap
     run_dir = make_run(**CEM)[0]
     (tmp_path / "bad.txt").write_bytes(b"The king \xff doth speak.\n")
     argv = ["--run", str(run_dir), "--text", str(tmp_path / "bad.txt"), "--no-progress"]
-    assert evaluate.main(argv) == 1
+    assert evaluate.main(argv) == 2  # the text as given: exit status 2
     assert "(--allow-invalid-utf8 of cem-data and cem-eval)" in capsys.readouterr().err
     assert evaluate.main([*argv, "--allow-invalid-utf8"]) == 0
     replaced = len("The king \ufffd doth speak.\n".encode())  # \xff read as U+FFFD
@@ -119,6 +119,20 @@ def test_steps_must_be_a_positive_integer(main, capsys):
     assert "argument --steps: '0' is not a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("main", [commands.evaluate, commands.sample, evaluate.main, sample.main,
+                                  cli.main],
+                         ids=["cem-eval", "cem-sample", "eval.main", "sample.main", "cem-export"])
+def test_a_missing_run_directory_is_one_line_and_status_2(main, tmp_path, capsys):
+    """A run directory that is not one is the user's to fix (2), not a crash to retry (1)."""
+    args = ["--run", str(tmp_path / "nope")]
+    if main is cli.main:
+        args += ["--format", "safetensors", "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and str(tmp_path / "nope") in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_cem_export_every_format(make_run, tmp_path):
     run_dir, cfg, params = make_run(**CEM)
     assert cli.main(["--run", str(run_dir), "--format", "safetensors", "--out",
@@ -140,33 +154,33 @@ def test_cem_export_never_writes_over_its_run_or_foreign_folders(make_run, tmp_p
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     for out in (run_dir, run_dir / "checkpoints", run_dir / "exported", tmp_path):
         args = ["--run", str(run_dir), "--format", "safetensors", "--out", str(out)]
-        assert cli.main([*args, "--overwrite"]) == 1
+        assert cli.main([*args, "--overwrite"]) == 2
         assert "overlaps the directory being read" in capsys.readouterr().err
     foreign = tmp_path.parent / f"{tmp_path.name}_foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     args = ["--run", str(run_dir), "--format", "safetensors", "--out", str(foreign)]
-    assert cli.main([*args, "--overwrite"]) == 1
+    assert cli.main([*args, "--overwrite"]) == 2
     assert "was not written by cem-export" in capsys.readouterr().err
     assert (foreign / "notes.txt").read_text() == "mine"
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     export = tmp_path.parent / f"{tmp_path.name}_export"
     args = ["--run", str(run_dir), "--format", "safetensors", "--out", str(export)]
-    assert cli.main(args) == 0 and cli.main(args) == 1  # a second time needs --overwrite
+    assert cli.main(args) == 0 and cli.main(args) == 2  # a second time needs --overwrite
     assert cli.main([*args, "--overwrite"]) == 0 and (export / "model.safetensors").is_file()
 
 
 def test_cem_export_refuses_what_a_format_cannot_express(make_run, tmp_path, capsys):
     run_dir, _, _ = make_run(**CEM)
     assert cli.main(["--run", str(run_dir), "--format", "hf-llama", "--out",
-                     str(tmp_path / "llama")]) == 1
+                     str(tmp_path / "llama")]) == 2
     err = capsys.readouterr().err
     assert "tie_attention=true" in err and "steps=2" in err and "--format hf" in err
     assert not (tmp_path / "llama").exists()
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("x")
     assert cli.main(["--run", str(run_dir), "--format", "hf", "--out",
-                     str(tmp_path / "taken")]) == 1
+                     str(tmp_path / "taken")]) == 2
     assert "not empty" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["x"]
 
@@ -185,7 +199,7 @@ def test_a_damaged_checkpoint_is_a_clear_error_and_writes_nothing(make_run, tmp_
     with pytest.raises(CheckpointError, match=r"cannot read checkpoint .*checkpoints/2"):
         load_run(run_dir)
     assert cli.main(["--run", str(run_dir), "--format", "safetensors", "--out",
-                     str(tmp_path / "out")]) == 1
+                     str(tmp_path / "out")]) == 2
     assert "cannot read checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
@@ -213,7 +227,7 @@ def test_cem_import_cli_writes_a_loadable_baseline_run(make_run, tmp_path, capsy
     np.testing.assert_array_equal(run.model()(ids).logits,
                                   model_from_params(cfg.model, params)(ids).logits)
     assert cli.import_main(["--hf", str(tmp_path / "llama"), "--out",
-                            str(tmp_path / "imported")]) == 1
+                            str(tmp_path / "imported")]) == 2
     assert "holds an earlier cem-export or cem-import output" in capsys.readouterr().err
 
 
@@ -223,7 +237,7 @@ def test_cem_import_keeps_the_llama_architecture(make_run, tmp_path, capsys):
                      str(tmp_path / "llama")]) == 0
     hf = ["--hf", str(tmp_path / "llama")]
     capsys.readouterr()
-    assert cli.import_main([*hf, "--out", str(tmp_path / "a"), "model.d_model=64"]) == 1
+    assert cli.import_main([*hf, "--out", str(tmp_path / "a"), "model.d_model=64"]) == 2
     assert ("cem-import: error: model.d_model=64: the model's architecture comes from the "
             "Hugging Face config.json") in capsys.readouterr().err
     assert not (tmp_path / "a").exists()

@@ -18,11 +18,14 @@ import numpy as np
 import portpicker
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from faults import fault_env
 from helpers import train_byte_level_bpe
 
 from cem_jax.checkpoint import complete_steps
 from cem_jax.data import files, shards
+
+pytestmark = pytest.mark.slow  # starts processes (make test-all)
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "pod_training.md"

@@ -231,5 +231,5 @@ def test_gcs_is_read_as_gs_and_an_export_to_a_url_is_refused(tiny_overrides, gcs
                                "import main; sys.exit(main())", "--run", f"{gcs_bucket}/runs/g",
                                "--format", "safetensors", "--out", f"{gcs_bucket}/export"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert exported.returncode == 1 and "is a URL" in exported.stderr, exported.stderr
+    assert exported.returncode == 2 and "is a URL" in exported.stderr, exported.stderr
     assert not list(tmp_path.iterdir()) and not files.exists(f"{gcs_bucket}/export")

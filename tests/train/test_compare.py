@@ -301,6 +301,7 @@ def test_a_signal_stops_the_comparison_once_its_run_has_saved(tiny_overrides, tm
     assert "| tiny |" in out.read_text()
 
 
+@pytest.mark.slow
 def test_a_run_without_validation_counts_as_finished(tiny_overrides, tmp_path, capsys):
     path = tmp_path / "no_val.yaml"
     path.write_text("model:\n  preconditioner: none\n")

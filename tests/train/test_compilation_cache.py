@@ -47,6 +47,7 @@ def cache_hits():
         jax.monitoring.unregister_event_listener(listen)
 
 
+@pytest.mark.slow
 def test_a_second_start_reads_the_compiled_steps(tiny_overrides, tmp_path, cache_everything):
     folder = tmp_path / "data_cache" / "xla"  # the default: in the data cache
     base = [*tiny_overrides, "run.steps=4", f"data.cache_dir={tmp_path / 'data_cache'}"]

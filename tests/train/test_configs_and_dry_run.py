@@ -149,6 +149,7 @@ def _parse(pattern: str, text: str) -> tuple[str, ...]:
     return match.groups()
 
 
+@pytest.mark.slow
 def test_dry_run_of_the_100m_model_on_8_devices(tmp_path):
     """`cem-train --config configs/cem_full_100m.yaml --dry-run` on 8 host devices: no data
     (the config's dataset is a placeholder), nothing written; the numbers are the model's."""
@@ -192,6 +193,7 @@ def test_dry_run_of_the_100m_model_on_8_devices(tmp_path):
     assert 0 < xla < per_device  # the layer scan's body is counted once
 
 
+@pytest.mark.slow
 def test_fsdp_keeps_activations_split_over_the_batch(tmp_path):
     """Parameters sharded over "fsdp" (mesh.fsdp=8, 8 host devices), a small model: the
     compiled step's temporaries stay far below the fp32 logits of the whole global batch, which

@@ -37,6 +37,7 @@ def _other_corpus(root):
     return [f"data.corpus={root / 'train'}/*.txt", f"data.val_corpus={root / 'val'}/*.txt"]
 
 
+@pytest.mark.slow
 def test_fine_tune_starts_from_the_trained_parameters(tiny_overrides, pretrained, tmp_path):
     corpus = _other_corpus(tmp_path / "other")
     run_dir = tmp_path / "tuned"

@@ -13,6 +13,8 @@ import pytest
 from faults import fault_env
 from train_helpers import REPO, run_cli, train_losses
 
+pytestmark = pytest.mark.slow  # starts processes (make test-all)
+
 STEPS = 6
 
 
@@ -88,7 +90,6 @@ def test_two_processes_match_one_and_resume_on_one(tiny_overrides, tmp_path):
     _assert_losses_match(reference, tmp_path / "a")
 
 
-@pytest.mark.slow  # ~40 s: three runs; a resume on another process count is tested above
 def test_one_process_resumes_on_two_with_the_parameters_split_across_them(tiny_overrides,
                                                                           tmp_path):
     """One process to step 3, then two to step 6 with the parameters split across them (fsdp:
@@ -105,7 +106,6 @@ def test_one_process_resumes_on_two_with_the_parameters_split_across_them(tiny_o
     _assert_losses_match(reference, tmp_path / "b")
 
 
-@pytest.mark.slow  # ~20 s: a checkpoint of one process resumed on two, as in the test above
 def test_an_imported_llama_fine_tunes_on_two_processes(tiny_overrides, tmp_path):
     """cem-import's run directory (checkpoint 0, written by one process) trains on two."""
     from helpers import random_params

@@ -4,7 +4,10 @@ subprocess with 8 forced host devices (the kernel interpreted, as on every CPU).
 
 import json
 
+import pytest
 from train_helpers import run_on_8_host_devices
+
+pytestmark = pytest.mark.slow  # starts processes (make test-all)
 
 # (data, fsdp, tensor): key heads G=2 split over tensor=2; with tensor=4 they do not divide,
 # so the kernel takes whole heads on every tensor device (query heads follow their key heads)

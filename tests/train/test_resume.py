@@ -98,8 +98,9 @@ def straight(tiny_overrides, tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,returncode", [
-    pytest.param("SIGKILL", -9, marks=pytest.mark.slow),  # ~30 s; a kill: test_train_loop.py too
+    ("SIGKILL", -9),  # a kill: test_train_loop.py too
     ("SIGTERM", 75)])
 def test_resume_after_signal_is_exact(straight, tiny_overrides, tmp_path, sig, returncode):
     common = [*tiny_overrides, f"run.dir={tmp_path}", *EVERY]
@@ -253,6 +254,7 @@ def test_a_checkpoint_of_another_structure_is_refused_by_name(tiny_overrides, tm
     assert "delete" not in message and str(tmp_path / "checkpoints" / "2") in message
 
 
+@pytest.mark.slow
 def test_a_finished_run_started_again_reports_its_result_and_writes_nothing(
         straight, tiny_overrides, capsys):
     def files():

@@ -3,9 +3,12 @@ orbax cannot restore from is refused before anything is written, `~` is the home
 
 import shutil
 
+import pytest
+
 from cem_jax.train import main
 
 
+@pytest.mark.slow
 def test_the_config_of_a_moved_run_names_both_directories(tiny_overrides, tmp_path, capsys):
     args = [*tiny_overrides, "run.sample_tokens=0", "run.eval_batches=1"]
     assert main([*args, f"run.dir={tmp_path / 'a'}", "run.steps=2"]) == 0
@@ -31,6 +34,7 @@ def test_brackets_in_the_run_dir_are_refused_before_anything_is_written(tiny_ove
     assert not (tmp_path / "br[1]").exists()
 
 
+@pytest.mark.slow
 def test_a_tilde_in_the_run_dir_is_the_home_directory(tiny_overrides, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)

@@ -7,11 +7,13 @@ import tempfile
 import types
 from pathlib import Path
 
+import pytest
 from train_helpers import run_on_8_host_devices
 
 MESHES = {"data=8": (8, 1, 1), "fsdp=8": (1, 8, 1), "data=2,fsdp=2,tensor=2": (2, 2, 2)}
 
 
+@pytest.mark.slow
 def test_sharded_steps_and_cross_mesh_restore_match_one_device():
     report = run_on_8_host_devices(__file__)
     assert report["devices"] == 8

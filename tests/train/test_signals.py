@@ -28,6 +28,7 @@ def _datasets(cache) -> list[str]:
 BOTH = ["complete", "complete"]  # the training and the validation corpus
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point, extra, cached", [
     ("import", [], []),  # JAX is being imported
     ("documents", ["data.tokenizer=null"], []),  # the tokenizer's training reads the text
@@ -47,6 +48,7 @@ def test_a_signal_during_start_up_is_one_line_and_leaves_nothing(tiny_overrides,
     assert _datasets(cache) == cached  # a unit stopped midway leaves no file
 
 
+@pytest.mark.slow
 def test_the_start_after_a_stopped_one_trains(tiny_overrides, tmp_path):
     args = [*tiny_overrides, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path}",
             "run.steps=1", "run.sample_tokens=0"]
@@ -56,6 +58,7 @@ def test_the_start_after_a_stopped_one_trains(tiny_overrides, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
 
 
+@pytest.mark.slow
 def test_a_second_sigint_leaves_at_once(tiny_overrides, tmp_path):
     result = signal_at("peak-flops", "SIGINTx2", [*tiny_overrides, f"run.dir={tmp_path}"])
     assert result.returncode == 75, result.stderr

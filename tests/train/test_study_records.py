@@ -15,7 +15,7 @@ from train_helpers import REPO
 
 from cem_jax.data import find_tokenizer, load_tokenizer
 from cem_jax.data.shards import read_manifest
-from cem_jax.study import cli
+from cem_jax.study import cli, records
 from cem_jax.study.analysis import Results
 from cem_jax.study.plan import RunKey, load_study, plan
 from cem_jax.study.records import dirty_tree, record_path, run_spec, train_and_record
@@ -53,8 +53,9 @@ def test_a_recorded_run_carries_its_config_data_identity_and_versions(tmp_path, 
     assert data["tokenizer_sha256"] == tokenizer.sha256
     # the tiny corpus: 12 training documents and 2 validation ones, each its own dataset
     assert (data["train"]["documents"], data["validation"]["documents"]) == (12, 2)
+    cache = Path(run_spec(study, key).cfg.data.cache_dir)
     datasets = {read_manifest(str(p.parent)).identity: p.parent
-                for p in Path(run_spec(study, key).cfg.data.cache_dir).glob("tokens/*/manifest.json")}
+                for p in cache.glob("tokens/*/manifest.json")}
     assert {data["train"]["identity"], data["validation"]["identity"]} <= set(datasets)
     assert data["train"]["identity"] != data["validation"]["identity"]
     assert "milton" not in data  # a sweep run is not evaluated on Milton
@@ -91,7 +92,7 @@ def test_uncommitted_changes_to_tracked_files_refuse_to_record(tmp_path, monkeyp
     assert "is not in a git checkout" in dirty_tree(outside)
 
     path = _study(tmp_path / "study", [])
-    monkeypatch.setattr(cli, "dirty_tree", lambda outputs: dirty_tree(tmp_path, outputs))
+    monkeypatch.setattr(records, "dirty_tree", lambda outputs: dirty_tree(tmp_path, outputs))
     assert cli.main([str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cem-study: cannot record runs: 2 tracked files differ") and \

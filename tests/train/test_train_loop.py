@@ -155,7 +155,9 @@ def test_missing_validation_corpus_fails_before_training(tiny_overrides, tmp_pat
 def test_flops_of_the_llama_twin_follow_palm_and_tying_saves_the_values():
     """Untied, steps=1: 6·(matmul parameters) + 12·L·H·K·T per token (PaLM's MFU count)."""
     llama = ModelConfig(tie_attention=False, tie_mlp=False, preconditioner="none")
-    D, L, H, K, F, V, T = 256, 4, 4, 64, 704, 2048, 256
+    base = ModelConfig()  # the default shape (G = H)
+    D, L, H, K, F, V, T = (base.d_model, base.num_layers, base.num_heads, base.head_width,
+                           base.mlp_dim, base.vocab_size, 256)
     matmul_params = L * (4 * D * H * K + 3 * D * F) + D * V
     assert flops_per_token(llama, T) == 6 * matmul_params + 12 * L * H * K * T
     assert flops_per_token(ModelConfig(), T) == flops_per_token(llama, T) - 3 * L * 2 * D * H * K

@@ -62,6 +62,7 @@ def test_a_trained_tokenizer_larger_than_the_model_is_refused():
     assert load_config(None, ["model.vocab_size=512"]).data.vocab_size == 512  # the model's
 
 
+@pytest.mark.slow
 def test_a_padded_model_trains_samples_and_resumes_on_a_tokenizer_json(tiny_overrides,
                                                                       tmp_path):
     corpus = next(o for o in tiny_overrides if o.startswith("data.corpus=")).split("=", 1)[1]

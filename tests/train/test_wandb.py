@@ -47,6 +47,7 @@ def _sent(records: list[dict]) -> list[tuple[int, dict]]:
                          if k not in ("step", "kind", "time")}) for r in records]
 
 
+@pytest.mark.slow
 def test_wandb_gets_the_records_the_config_and_the_resume_identity(tiny_overrides, tmp_path,
                                                                    monkeypatch):
     fake = FakeWandb()
@@ -69,6 +70,7 @@ def test_wandb_gets_the_records_the_config_and_the_resume_identity(tiny_override
     assert fake.logs[1] == _sent(resumed) and fake.exit_codes == [0, 0]
 
 
+@pytest.mark.slow
 def test_a_failed_run_finishes_as_failed_and_a_start_over_is_a_new_wandb_run(
         tiny_overrides, tmp_path, monkeypatch):
     fake = FakeWandb()
@@ -140,6 +142,7 @@ def _wandb_records(path: Path) -> list:
     return records
 
 
+@pytest.mark.slow
 def test_an_offline_wandb_run_holds_the_logged_losses_and_the_config(tiny_overrides, tmp_path):
     import wandb  # a dev extra: installed by `make test`
 

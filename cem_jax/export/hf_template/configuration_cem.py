@@ -12,8 +12,8 @@ class CEMConfig(PretrainedConfig):
 
     model_type = "cem"
 
-    def __init__(self, vocab_size=2048, d_model=256, num_layers=4, num_heads=4,
-                 num_kv_heads=None, head_dim=None, mlp_dim=704, activation="silu",
+    def __init__(self, vocab_size=2048, d_model=128, num_layers=4, num_heads=2,
+                 num_kv_heads=None, head_dim=None, mlp_dim=352, activation="silu",
                  tie_attention=True, tie_mlp=True, interaction="lowrank", diagonal="per_head",
                  preconditioner="scalar", preconditioner_rank=4, steps=1,
                  recompute_context=False, gradient_wrt="normalized", position="rope",

@@ -1,0 +1,92 @@
+"""The argument parsers of the commands whose modules import JAX: `cem-train`, `cem-sample` and
+`cem-eval`. This module imports no JAX (an import contract of pyproject.toml), so that `--help`
+and a usage error (exit status 2) answer at once: each command parses its arguments with these,
+then imports the module that runs it (`cem_jax.train.main`, `cem_jax.commands`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+TRAIN_DESCRIPTION = ("`cem-train`: train a CEM (or Llama) language model on a device mesh, "
+                     "resumably.")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: `text` as an integer >= 1; raises argparse.ArgumentTypeError otherwise."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """The arguments of `cem-train` (`cem_jax.train.command`)."""
+    parser = argparse.ArgumentParser(prog="cem-train", description=TRAIN_DESCRIPTION)
+    parser.add_argument("--config", help="YAML config file (default: all defaults: the model, "
+                        "data and optimizer of configs/shakespeare_cem.yaml, what `make train` "
+                        "trains, in runs/default)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override config fields, e.g. run.steps=20 optimizer.lr=3e-3")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="compile one train step on abstract inputs and print parameters, "
+                             "mesh, batch, per-device memory and FLOPs; reads no data and "
+                             "writes nothing")
+    parser.add_argument("--target", metavar="NAME",
+                        help="with --dry-run: lower (not compile) the train step for a TPU or "
+                             "GPU topology this host lacks, e.g. tpu-v5p-32, tpu-v6e-16, "
+                             "gpu-h200-8 (cem_jax.train.targets.TARGETS), and print per-device "
+                             "state bytes, shardings and kernels")
+    return parser
+
+
+def parse_train_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """`cem-train`'s arguments; a usage error exits with status 2 (argparse's)."""
+    parser = train_parser()
+    args = parser.parse_args(argv)
+    if args.target is not None and not args.dry_run:
+        parser.error("--target needs --dry-run (it lowers for the target, it does not train)")
+    return args
+
+
+def sample_parser() -> argparse.ArgumentParser:
+    """The arguments of `cem-sample` (`cem_jax.sample.run`)."""
+    parser = argparse.ArgumentParser(prog="cem-sample", description="Generate text from a "
+                                     "trained run with a cached, compiled decode loop.")
+    parser.add_argument("--run", required=True, help="run directory")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="prompt text; repeat for a batch (default: one empty prompt)")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-stop-at-eos", action="store_true",
+                        help="keep generating after the end-of-document token")
+    parser.add_argument("--steps", type=positive_int, metavar="N",
+                        help="CEM steps per sub-layer (default: the trained count; the steps "
+                        "share their weights, so a run decodes at any N; the checkpoint is not "
+                        "changed)")
+    return parser
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    """The arguments of `cem-eval` (`cem_jax.evaluate.run`)."""
+    parser = argparse.ArgumentParser(prog="cem-eval", description="Loss, perplexity and bits "
+                                     "per byte of a checkpoint on a text.")
+    parser.add_argument("--run", required=True, help="run directory")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--text", help="text to evaluate on: a file, a glob, or FORMAT:PATH "
+                       "(text, jsonl, arrayrecord)")
+    where.add_argument("--corpus", default="validation", choices=("validation", "milton"),
+                       help="a built-in split of the run (default: validation)")
+    parser.add_argument("--allow-invalid-utf8", action="store_true",
+                        help="read invalid UTF-8 bytes as U+FFFD instead of refusing the text")
+    parser.add_argument("--steps", type=positive_int, metavar="N",
+                        help="CEM steps per sub-layer (default: the trained count; the steps "
+                        "share their weights, so a run evaluates at any N; the checkpoint is "
+                        "not changed)")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
