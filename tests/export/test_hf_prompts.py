@@ -1,7 +1,7 @@
 """A text prompt through an exported tokenizer and `model.generate()` continues as `cem-sample`
 does (the document-start EOS included), for the `hf` and `hf-llama` formats and both tokenizer
 kinds (a tokenizer.json run's model padded to 448 ids, whose padded rows would win), with the
-special ids of config.json equal to the tokenizer's; and the README's loading code runs as
+special ids of config.json equal to the tokenizer's; and docs/export.md's loading code runs as
 written: no "run the custom code?" question, no warning about the model type."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from cem_jax.export import cli
 from cem_jax.sample import SamplingConfig, generate
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "export.md"
 MODELS = {"hf": dict(),  # the default tied CEM model
           "hf-llama": dict(tie_attention=False, tie_mlp=False, preconditioner="none")}
 PADDED = 448  # a tokenizer.json run's model vocabulary: 400 ids of the tokenizer, 48 padding
@@ -120,15 +120,15 @@ def test_literal_special_pieces_are_text_as_in_cem_sample(make_run, tmp_path, na
             == "the king queen")
 
 
-def test_the_readme_loading_code_runs_without_prompt_or_warning(make_run, tokenizer, tmp_path,
-                                                                 monkeypatch, caplog, capsys):
-    """The README's Python block, run as written on an `hf` export in ./exported: it prints the
-    text of cem-sample's greedy tokens, never asks whether to run the custom code (`input`
+def test_the_docs_loading_code_runs_without_prompt_or_warning(make_run, tokenizer, tmp_path,
+                                                               monkeypatch, caplog, capsys):
+    """docs/export.md's Python block, run as written on an `hf` export in ./exported: it prints
+    the text of cem-sample's greedy tokens, never asks whether to run the custom code (`input`
     records any question) and logs no warning about the model type (without
     trust_remote_code for the tokenizer, transformers asks and warns)."""
     from transformers import AutoTokenizer
 
-    code = next(block for block in re.findall(r"```python\n(.*?)```", README.read_text(),
+    code = next(block for block in re.findall(r"```python\n(.*?)```", DOC.read_text(),
                                               re.DOTALL) if "AutoTokenizer" in block)
     run_dir, cfg, params = make_run(**MODELS["hf"])
     out = tmp_path / "exported"
@@ -141,7 +141,7 @@ def test_the_readme_loading_code_runs_without_prompt_or_warning(make_run, tokeni
     monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # to caplog
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.WARNING):
-        exec(compile(code, str(README), "exec"), {})
+        exec(compile(code, str(DOC), "exec"), {})
     assert asked == []
     assert not [r for r in caplog.records if "You are using a model of type" in r.getMessage()]
     assert capsys.readouterr().out == want + "\n"
