@@ -14,12 +14,13 @@ PYTHONPATH: `fault_env`), and the environment chooses the fault:
                             until F is deleted (at most PAUSE_S), then goes on: a point at which
                             a test changes the world around the run (cuts its storage, say)
 
-In-process tests call `arm(nan_step=..., signal_step=...)` under pytest's monkeypatch.
+It adds them through cem-train's own seam, `cem_jax.train.run.register_setup_hook` (a module of
+`imports:` may add loop hooks so). In-process tests call `arm(monkeypatch.setattr,
+nan_step=...)`, or hand `setup_hook(...)` to `train(cfg, hooks=[...])`.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import signal
 import time
@@ -72,35 +73,39 @@ def _pause_at(step: int, file: Path, checkpointer) -> Hook:
     return Hook(pause, step, reads="state")
 
 
-def arm(patch=setattr, nan_step: int | None = None, signal_step: int | None = None,
-        signal_name: str = "SIGTERM", pause_step: int | None = None,
-        pause_file: str | Path | None = None) -> None:
-    """Make cem-train's loop (`cem_jax.train.run.make_loop`) carry the faults; `patch` is
-    `setattr` or a monkeypatch's `setattr` (undone after the test)."""
-    make_loop = run.make_loop
+def setup_hook(nan_step: int | None = None, signal_step: int | None = None,
+               signal_name: str = "SIGTERM", pause_step: int | None = None,
+               pause_file: str | Path | None = None) -> run.SetupHook:
+    """A `train` setup hook (`cem_jax.train.run.SetupHook`) that gives the run's loop the
+    faults: a NaN loss at `nan_step`, a signal right after `signal_step` is dispatched (before
+    the loop's other hooks), a pause after `pause_step` (the module docstring)."""
 
-    def make_faulty_loop(*args, **kwargs):
-        loop = make_loop(*args, **kwargs)
+    def setup(at: run.Setup) -> None:
         if nan_step is not None:
-            loop.step_fn = _nan_at(loop.step_fn, nan_step)
+            at.loop.step_fn = _nan_at(at.loop.step_fn, nan_step)
         if signal_step is not None:
-            loop.hooks.insert(0, _signal_at(signal_step, signal_name))
+            at.loop.hooks.insert(0, _signal_at(signal_step, signal_name))
         if pause_step is not None:
-            called = inspect.signature(make_loop).bind(*args, **kwargs).arguments
-            loop.hooks.append(_pause_at(pause_step, Path(pause_file), called["checkpointer"]))
-        return loop
+            at.loop.hooks.append(_pause_at(pause_step, Path(pause_file), at.checkpointer))
 
-    patch(run, "make_loop", make_faulty_loop)
+    return setup
+
+
+def arm(patch, **faults) -> None:
+    """In-process: every `train` of the test (cem-train's `main` too) carries the faults of
+    `setup_hook(**faults)`; `patch` is a monkeypatch's `setattr` (undone after the test)."""
+    patch(run, "SETUP_HOOKS", (*run.SETUP_HOOKS, setup_hook(**faults)))
 
 
 def _from_env() -> None:
     nan, sig = os.environ.get("CEM_FAULT_NAN_STEP"), os.environ.get("CEM_FAULT_SIGNAL_STEP")
     pause = os.environ.get("CEM_FAULT_PAUSE_STEP")
     if nan or sig or pause:
-        arm(nan_step=int(nan) if nan else None, signal_step=int(sig) if sig else None,
+        run.register_setup_hook(setup_hook(
+            nan_step=int(nan) if nan else None, signal_step=int(sig) if sig else None,
             signal_name=os.environ.get("CEM_FAULT_SIGNAL", "SIGTERM"),
             pause_step=int(pause) if pause else None,
-            pause_file=os.environ.get("CEM_FAULT_PAUSE_FILE"))
+            pause_file=os.environ.get("CEM_FAULT_PAUSE_FILE")))
 
 
 _from_env()

@@ -14,15 +14,19 @@ cem-import never replace a directory while it is held, nor once a run trained th
 cem-import's run directory stops being an import output when it starts training). At the end:
 validation loss, perplexity and bits per byte, and a generated sample.
 
-The steps run in `cem_jax.train.loop.TrainLoop` with the hooks of `cem_jax.train.hooks`.
+The steps run in `cem_jax.train.loop.TrainLoop` with the hooks of `cem_jax.train.hooks`; a caller
+adds its own with `train(cfg, hooks=...)`, and a module named under a config's `imports:` with
+`register_setup_hook` (each a `SetupHook`, called once the loop is built).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +81,36 @@ from cem_jax.train_config import TrainConfig, save_config
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a `SetupHook` sees once the run's step loop is built, before its first step: the
+    resolved `config`, the `loop` (`TrainLoop`: `loop.add_hook(fn, every, ...)`, or wrap
+    `loop.step_fn`) and the run's `checkpointer` (`wait()`: the saves in flight are done)."""
+
+    config: TrainConfig
+    loop: TrainLoop
+    checkpointer: Checkpointer
+
+
+SetupHook = Callable[[Setup], None]
+# Called by every `train` of this process, before the caller's own hooks (register_setup_hook).
+SETUP_HOOKS: tuple[SetupHook, ...] = ()
+
+
+def register_setup_hook(hook: SetupHook) -> None:
+    """Have every later `train` in this process call `hook(Setup)`: how a module named under a
+    config's `imports:` (loaded before the run starts, in every process) adds loop hooks to
+    cem-train's runs (levanter's `Trainer.add_hook`, from a plugin)."""
+    global SETUP_HOOKS
+    SETUP_HOOKS = (*SETUP_HOOKS, hook)
+
+
 @exits.caught()
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, hooks: Sequence[SetupHook] = ()) -> dict[str, Any]:
     """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "eval":
     `cem_jax.evaluate.evaluate`'s figures (empty without a validation split), "sample"}.
+    `hooks`: called with the `Setup` once the step loop is built (after `SETUP_HOOKS`), to add
+    loop hooks of the caller's.
 
     SIGINT and SIGTERM stop it at a safe point (`cem_jax.exits`): raises StoppedBySignal,
     saying where it stopped and what is saved. Raises TrainingDiverged, CheckpointError,
@@ -128,7 +158,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                       f"a run.dir in a writable place") from None
     try:
         with run_dir_lock(run_dir, lead):
-            return _train(cfg, run_dir, mesh, lead)
+            return _train(cfg, run_dir, mesh, lead, (*SETUP_HOOKS, *hooks))
     except BaseException as err:
         if not (files.is_url(run_dir) and storage_error(err) is not None):
             _remove_if_worthless(created)  # by the process that made it: any, with several
@@ -162,8 +192,8 @@ def _remove_if_worthless(created: list[str]) -> None:
             return
 
 
-def _train(cfg: TrainConfig, run_dir: str, mesh: jax.sharding.Mesh,
-           lead: bool) -> dict[str, Any]:
+def _train(cfg: TrainConfig, run_dir: str, mesh: jax.sharding.Mesh, lead: bool,
+           hooks: Sequence[SetupHook]) -> dict[str, Any]:
     with contextlib.ExitStack() as closing:  # closed on errors too
         checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
         closing.callback(checkpointer.close)
@@ -212,7 +242,7 @@ def _train(cfg: TrainConfig, run_dir: str, mesh: jax.sharding.Mesh,
             summary = {"step": first, "eval": finished, "sample": ""}
         else:
             summary = _train_steps(cfg, trainer, state, iterator, tokenizer, checkpointer,
-                                   mesh, first, closing)
+                                   mesh, first, closing, hooks)
             state = summary.pop("state")
     if cfg.run.sample_tokens:
         summary["sample"] = _sample(cfg, state["params"], tokenizer, mesh)
@@ -237,7 +267,8 @@ def _load_splits(cfg: DataConfig, tokenizer: Tokenizer, report: bool) -> None:
 
 def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
                  tokenizer: Tokenizer, checkpointer: Checkpointer, mesh: jax.sharding.Mesh,
-                 first: int, closing: contextlib.ExitStack) -> dict[str, Any]:
+                 first: int, closing: contextlib.ExitStack,
+                 hooks: Sequence[SetupHook]) -> dict[str, Any]:
     """Steps `first`+1 … `run.steps` and the final validation; returns the summary of `train`
     with the final "state". A resume step whose validation was due but never logged (the run
     was stopped at it) is validated first. Raises StoppedBySignal saying where the loop or the
@@ -249,6 +280,8 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
         logger.info("step %d: validation %s", first, describe(result))
     loop = make_loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer, mesh,
                      first, closing)
+    for hook in hooks:
+        hook(Setup(cfg, loop, checkpointer))
     exits.check()  # the last safe point before the first step
     try:
         state, step, stopped = loop.run()

@@ -48,6 +48,24 @@ def test_nan_stops_the_run_and_keeps_the_good_checkpoint(tiny_overrides, tmp_pat
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
 
 
+def test_train_takes_the_callers_loop_hooks(tiny_overrides, tmp_path):
+    """`train(cfg, hooks=[...])`: a setup hook sees the run's config and loop, and a loop hook
+    it adds sees the steps it is due at, with the losses the run logs."""
+    seen = {}
+
+    def setup(at):
+        assert at.config.run.dir == str(tmp_path) and at.loop.last_step == 4
+        at.loop.add_hook(lambda info: seen.update({info.step: info.host_metrics()["loss"]}), 2)
+
+    cfg = load_config(None, [*tiny_overrides, f"run.dir={tmp_path}", "run.steps=4",
+                             "run.sample_tokens=0"])
+    assert train(cfg, hooks=[setup])["step"] == 4
+    logged = {r["step"]: r["loss"] for r in metrics.logged_records(tmp_path)
+              if r["kind"] == "train"}
+    assert sorted(seen) == [2, 4]
+    assert all(seen[step] == pytest.approx(logged[step], rel=1e-6) for step in seen)
+
+
 def _batch(rng, B, T, V):
     tokens = rng.integers(4, V, (B, T + 1)).astype(np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
