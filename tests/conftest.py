@@ -165,9 +165,11 @@ _DESELECTED = pytest.StashKey[int]()
 
 
 def pytest_deselected(items):
-    if items:
+    if items:  # the slow and service tests among them (a -k deselects others too)
         stash = items[0].config.stash
-        stash[_DESELECTED] = stash.get(_DESELECTED, 0) + len(items)
+        tiered = sum(any(item.get_closest_marker(m) for m in ("slow", "service"))
+                     for item in items)
+        stash[_DESELECTED] = stash.get(_DESELECTED, 0) + tiered
 
 
 def pytest_sessionfinish(session):
