@@ -206,8 +206,9 @@ class ModelConfig:
                               ("gradient_wrt", GRADIENT_WRT), ("dtype", DTYPES),
                               ("param_dtype", DTYPES), ("remat", REMAT),
                               ("rope_type", ROPE_TYPES)):
-            require(getattr(self, name) in allowed, name, getattr(self, name),
-                     "one of " + ", ".join(repr(a) for a in allowed))
+            value = getattr(self, name)
+            require(value in allowed, name, value, "one of " + ", ".join(repr(a) for a in allowed)
+                    + did_you_mean(value, [a for a in allowed if isinstance(a, str)]))
         if self.head_dim is None:
             require(self.d_model % self.num_heads == 0, "d_model", self.d_model,
                      f"divisible by num_heads={self.num_heads} (or set head_dim explicitly)")

@@ -183,3 +183,11 @@ def test_a_misspelt_kind_name_gets_a_suggestion():
     with pytest.raises(ValueError, match=r"unknown config field 'kinds' in section 'model': it "
                                          r"is computed; set attention_kind and mlp_kind instead"):
         load_config(None, ["model.kinds=[llama_atention, swiglu]"])
+
+
+def test_a_misspelt_choice_value_gets_a_suggestion():
+    with pytest.raises(ValueError, match=r"'impl' = 'palas' is invalid: it must be one of "
+                                         r".*; did you mean 'pallas'\?"):
+        ModelConfig(impl="palas")
+    with pytest.raises(ValueError, match=r"'interaction' = 'dprl' .*; did you mean 'dplr'\?"):
+        ModelConfig(interaction="dprl")
