@@ -53,8 +53,7 @@ def sample_parser() -> argparse.ArgumentParser:
     """The arguments of `cem-sample` (`cem_jax.sample.run`)."""
     parser = argparse.ArgumentParser(prog="cem-sample", description="Generate text from a "
                                      "trained run with a cached, compiled decode loop.")
-    parser.add_argument("--run", required=True, help="run directory")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    _checkpoint_arguments(parser)
     parser.add_argument("--prompt", action="append", default=None,
                         help="prompt text; repeat for a batch (default: one empty prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
@@ -64,10 +63,7 @@ def sample_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-stop-at-eos", action="store_true",
                         help="keep generating after the end-of-document token")
-    parser.add_argument("--steps", type=positive_int, metavar="N",
-                        help="CEM steps per sub-layer (default: the trained count; the steps "
-                        "share their weights, so a run decodes at any N; the checkpoint is not "
-                        "changed)")
+    _steps_argument(parser, "decodes")
     return parser
 
 
@@ -75,8 +71,7 @@ def eval_parser() -> argparse.ArgumentParser:
     """The arguments of `cem-eval` (`cem_jax.evaluate.run`)."""
     parser = argparse.ArgumentParser(prog="cem-eval", description="Loss, perplexity and bits "
                                      "per byte of a checkpoint on a text.")
-    parser.add_argument("--run", required=True, help="run directory")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    _checkpoint_arguments(parser)
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--text", help="text to evaluate on: a file, a glob, or FORMAT:PATH "
                        "(text, jsonl, arrayrecord)")
@@ -84,9 +79,20 @@ def eval_parser() -> argparse.ArgumentParser:
                        help="a built-in split of the run (default: validation)")
     parser.add_argument("--allow-invalid-utf8", action="store_true",
                         help="read invalid UTF-8 bytes as U+FFFD instead of refusing the text")
-    parser.add_argument("--steps", type=positive_int, metavar="N",
-                        help="CEM steps per sub-layer (default: the trained count; the steps "
-                        "share their weights, so a run evaluates at any N; the checkpoint is "
-                        "not changed)")
+    _steps_argument(parser, "evaluates")
     parser.add_argument("--no-progress", action="store_true")
     return parser
+
+
+def _checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """--run and --step: the checkpoint a command reads."""
+    parser.add_argument("--run", required=True, help="run directory")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+
+
+def _steps_argument(parser: argparse.ArgumentParser, verb: str) -> None:
+    """--steps N: the CEM steps per sub-layer at test time."""
+    parser.add_argument("--steps", type=positive_int, metavar="N",
+                        help=f"CEM steps per sub-layer (default: the trained count; the steps "
+                        f"share their weights, so a run {verb} at any N; the checkpoint is not "
+                        "changed)")
