@@ -204,8 +204,8 @@ def dirty_tree(code: Path = Path(__file__).parent, outputs: tuple[Path, ...] = (
         return (f"the code in {code} is not in a git checkout, so a record could not name the "
                 "commit that trained it")
     mine = tuple(str(p.resolve()) for p in outputs)
-    changed = [line[3:] for line in lines
-               if line.strip() and not str(root / line[3:]).startswith(mine or ("\0",))]
+    changed = [line[3:] for line in lines if line.strip()
+               and not (mine and str(root / line[3:]).startswith(mine))]
     verb = "differs" if len(changed) == 1 else "differ"
     return (f"{len(changed)} tracked file{'s' * (len(changed) != 1)} {verb} from the commit "
             f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): commit or stash "
