@@ -16,8 +16,9 @@ from timing import median_times
 
 from cem_jax.config import ModelConfig
 from cem_jax.energies import AttentionSpec
+from cem_jax.layers import run_steps
 from cem_jax.model import CEMTransformer
-from cem_jax.updates import run_steps, tied_attention_mixer
+from cem_jax.updates import tied_attention_mixer
 
 
 def attention_sublayer(B=8, T=512, D=512, H=8):

@@ -1,6 +1,7 @@
 """Evaluation: loss (nats per token), perplexity and bits per byte of a model's parameters on a
 split or any text. One function, `evaluate`, serves training's periodic validation and
-`cem-eval --run DIR [--step N] [--text FILE | --corpus validation|milton]`.
+`cem-eval --run DIR [--step N] [--text FILE | --corpus validation|milton]` (`cem_jax.cli.evaluate`,
+through `evaluate_run`).
 
 The text is packed and batched as training's validation split is (`cem_jax.data`: documents
 separated by EOS, attention inside a document, the run's seq_len and batch size), and every
@@ -11,17 +12,15 @@ loss of those tokens at the whole split's bytes per token.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
 from tqdm import tqdm
 
-from cem_jax.arguments import eval_parser
 from cem_jax.config import ModelConfig
 from cem_jax.data import DataConfig, Tokenizer, load_tokens, make_eval_batches
 from cem_jax.forward import EvalStep, make_eval_step
@@ -118,43 +117,3 @@ def evaluate_run(run: Run, text: str | None = None, corpus: str = "validation",
                       if progress and sys.stderr.isatty() else None)
     stats = load_tokens(data, run.tokenizer, corpus).stats
     return {**result, "tokens": stats.tokens, "bytes": stats.bytes}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`cem-eval`; returns the exit status (0 ok; 1 a crash, or object storage unreachable or
-    failing: one line; 2 a usage error, or a run or text that cannot be read: a missing or
-    corrupt run directory, checkpoint or text file). The console script
-    (`cem_jax.commands.evaluate`) parses the arguments before JAX is imported."""
-    return run_command(eval_parser().parse_args(argv))
-
-
-def run_command(args: argparse.Namespace) -> int:
-    """`main` on parsed arguments (`cem_jax.arguments.eval_parser`)."""
-    from cem_jax.checkpoint import CheckpointError
-    from cem_jax.compilation_cache import use_compilation_cache
-    from cem_jax.data import FetchError
-    from cem_jax.data.storage_errors import storage_error
-    from cem_jax.rundir import load_run, quiet_checkpoint_logs
-
-    quiet_checkpoint_logs()
-    try:
-        run = load_run(args.run, args.step)
-        use_compilation_cache(run.config)
-        result = evaluate_run(run, args.text, args.corpus, progress=not args.no_progress,
-                              allow_invalid_utf8=args.allow_invalid_utf8, steps=args.steps)
-    except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
-        if (said := storage_error(err)) is not None:
-            print(f"cem-eval: error: {said}", file=sys.stderr)
-            return 1
-        if not isinstance(err, (FileNotFoundError, CheckpointError, FetchError, ValueError)):
-            raise
-        print(f"cem-eval: error: {err}", file=sys.stderr)
-        return 2
-    recursion = f" with {args.steps} CEM steps per sub-layer" if args.steps else ""
-    print(f"{args.text or args.corpus} at step {run.step}{recursion}: {describe(result)} "
-          f"({result['tokens']:,} tokens, {result['bytes']:,} bytes)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

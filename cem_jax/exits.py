@@ -41,7 +41,8 @@ too). On several processes with JAX's preemption service, SIGTERM is the service
 `cem-data tokenize` reads the same flag (`caught()`, `check()` before each document it
 tokenizes) and exits with 128 + the signal, its finished units kept.
 
-This module imports no JAX (`cem_jax.train.main` installs the handlers before JAX loads).
+This module imports no JAX (`cem_jax.cli.train.main` installs the handlers before JAX
+loads).
 """
 
 from __future__ import annotations

@@ -1,26 +1,136 @@
-"""Flax NNX layers: RMSNorm, the parameters of a sub-layer kind, preconditioners, and the
-sub-layer / block that run the CEM steps (DESIGN.md §1).
+"""The CEM sub-layer: its preconditioner P, its step loop, and the Flax NNX modules that hold
+its parameters (DESIGN.md §1).
 
-The modules only hold parameters (with the logical axis names of `cem_jax.sharding`: "vocab",
-"embed", "heads", "kv_heads", "mlp", "norm"; `None` = replicated); the math is the pure
-functions of `cem_jax.kinds`, `cem_jax.energies` and `cem_jax.updates`.
+A sub-layer with input x⁰ [B,T,D] fixes the context c = RMSNorm(x⁰) and takes `steps` steps
+
+    xᵏ⁺¹ = xᵏ + P·u(yᵏ | c),   yᵏ = RMSNorm(xᵏ),   u = -∇_y E(y | c)   (k = 0 … steps-1)
+
+`run_steps` is that loop and the one dispatch point between implementations: `impl="autodiff"`
+takes u from `-jax.grad` of the kind's energy, every other impl from its closed form (a
+`cem_jax.updates.Mixer`, built by `cem_jax.kinds`). `precondition` applies P, and
+`fold_preconditioner` says when P can be folded into the mixer's output projection instead.
+
+The modules (RMSNorm, KindParams, Preconditioner, SubLayer, Block) only hold parameters, with
+the logical axis names of `cem_jax.sharding` ("vocab", "embed", "heads", "kv_heads", "mlp",
+"norm"; `None` = replicated), and call the functions above.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cem_jax.config import ModelConfig
+from cem_jax.config import IMPLS, ModelConfig
 from cem_jax.kinds import Context, Kind, build_mixer, get_kind, model_kinds
 from cem_jax.kvcache import Cache, KVCache
-from cem_jax.preconditioners import fold_preconditioner, precondition
-from cem_jax.updates import run_steps
+from cem_jax.numerics import dense, rms_norm, rms_norm_vjp
+from cem_jax.updates import Mixer
 
 Array = jax.Array
+
+
+# ----------------------------------------------------------------------------------------------
+# The preconditioner P and the step loop.
+# ----------------------------------------------------------------------------------------------
+
+
+def precondition(kind: str, params: dict, u: Array) -> Array:
+    """P·u for u [B,T,D] (DESIGN.md §1, "lightweight preconditioner").
+
+    none: P = I. scalar: P = softplus(ρ)·I, ρ []. diag: P = diag(softplus(ρ)), ρ [D].
+    dplr: P = diag(softplus(ρ)) + U Uᵀ, ρ [D], U [D,r] (positive definite for any U).
+    Raises `ValueError` for an unknown kind.
+    """
+    if kind == "none":
+        return u
+    if kind not in ("scalar", "diag", "dplr"):
+        raise ValueError(f"unknown preconditioner {kind!r}; use none, scalar, diag or dplr")
+    out = jax.nn.softplus(params["rho"]).astype(u.dtype) * u
+    if kind == "dplr":
+        U = params["U"].astype(u.dtype)
+        out = out + dense(dense(u, U), U.T)
+    return out
+
+
+def fold_preconditioner(kind: str, params: dict, impl: str, gradient_wrt: str) -> Array | None:
+    """P's diagonal as fp32 [] (scalar) or [D] (diag) to fold into a mixer's output projection
+    (params["out_scale"]: `diag(s) W u` costs a [D,·] weight scaling instead of a [B,T,D]
+    product and its backward), or None where P cannot be folded: "none" and "dplr", the
+    autodiff oracle (its direction is -∇E, not a projection), and a diagonal P with
+    gradient_wrt="residual" (which does not commute with the RMSNorm VJP applied after).
+    """
+    if kind not in ("scalar", "diag") or impl == "autodiff":
+        return None
+    if kind == "diag" and gradient_wrt == "residual":
+        return None
+    return jax.nn.softplus(params["rho"].astype(jnp.float32))
+
+
+def run_steps(x0: Array, mixer: Mixer, *, norm_scale: Array, eps: float,
+              precond: Callable[[Array], Array], steps: int = 1, impl: str = "xla",
+              gradient_wrt: str = "normalized", recompute_context: bool = False,
+              monitor: bool = False) -> tuple[Array, Array | None, list]:
+    """Apply one CEM sub-layer to the residual stream x0 [B,T,D]; returns (x_T, energies,
+    contexts).
+
+    precond: u ↦ P·u (`precondition`), or the identity when P is already folded into the
+      mixer's output projection (`fold_preconditioner`, as `SubLayer` does).
+    impl: "autodiff" uses -jax.grad of `mixer.energy` (mixers without an energy, untied or
+      cached, use their direction); every other impl ("xla", "pallas", "cudnn", "auto") is the
+      closed form `mixer.direction`, whose attention core the mixer was built with.
+    gradient_wrt: "normalized" (u = -∇_y E) or "residual" (u = -∇_x E(RMSNorm(x) | c)).
+    recompute_context: c = RMSNorm(xᵏ) at every step instead of RMSNorm(x⁰).
+    monitor: also return energies fp32 [steps, 2, B, T]: E(yᵏ | cᵏ) before and E(yᵏ⁺¹ | cᵏ)
+      after each step (None for mixers without an energy or when monitor is False).
+    contexts: what `mixer.prepare` returned for each context, in order (one, or `steps` with
+      recompute_context; none under autodiff): a cached attention mixer's updated cache.
+    Raises `ValueError` for an unknown impl or gradient_wrt.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; use one of {IMPLS}")
+    if gradient_wrt not in ("normalized", "residual"):
+        raise ValueError(f"unknown gradient_wrt {gradient_wrt!r}; use normalized or residual")
+    use_autodiff = impl == "autodiff" and mixer.energy is not None
+
+    def norm(x):
+        return rms_norm(x, norm_scale, eps)
+
+    def direction(x, y, c, prepared):
+        if use_autodiff:
+            if gradient_wrt == "residual":
+                return -jax.grad(lambda x_: mixer.energy(norm(x_), c).sum())(x)
+            return -jax.grad(lambda y_: mixer.energy(y_, c).sum())(y)
+        u = mixer.direction(y, prepared)
+        return rms_norm_vjp(x, norm_scale, eps, u) if gradient_wrt == "residual" else u
+
+    def prepare(c):
+        if not use_autodiff:
+            contexts.append(mixer.prepare(c, len(contexts)))
+        return contexts[-1] if contexts else None
+
+    x, c = x0, norm(x0)
+    contexts: list = []
+    prepared = prepare(c)
+    energies = []
+    for k in range(steps):
+        y = c if k == 0 else norm(x)
+        if recompute_context and k > 0:
+            c = y
+            prepared = prepare(c)
+        x_next = x + precond(direction(x, y, c, prepared))
+        if monitor and mixer.energy is not None:
+            energies.append(jnp.stack([mixer.energy(y, c), mixer.energy(norm(x_next), c)]))
+        x = x_next
+    return x, (jnp.stack(energies) if energies else None), contexts
+
+
+# ----------------------------------------------------------------------------------------------
+# The modules that hold a sub-layer's parameters.
+# ----------------------------------------------------------------------------------------------
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | None, ...], *,
@@ -72,7 +182,7 @@ class KindParams(nnx.Module):
 
 
 class Preconditioner(nnx.Module):
-    """P of the CEM step (`preconditioners.precondition`): ρ starts at softplus⁻¹(1) so P
+    """P of the CEM step (`precondition`): ρ starts at softplus⁻¹(1) so P
     starts at I (plus U Uᵀ with U ~ normal(0, init_std) [D,r] for "dplr")."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -91,7 +201,7 @@ class Preconditioner(nnx.Module):
 
     def folded(self, cfg: ModelConfig) -> Array | None:
         """P's diagonal to fold into the mixer's output projection, or None
-        (`preconditioners.fold_preconditioner`)."""
+        (`fold_preconditioner`)."""
         return fold_preconditioner(self.kind, _values(self, ("rho",), jnp.float32), cfg.impl,
                                    cfg.gradient_wrt)
 
@@ -114,7 +224,7 @@ class SubLayer(nnx.Module):
         `nnx.Intermediate` "energies"; `cem_jax.model.forward_with_energies`).
 
         A scalar or diagonal P is folded into the output projection of a kind that declares
-        `folds_preconditioner`, where that is exact (`preconditioners.fold_preconditioner`):
+        `folds_preconditioner`, where that is exact (`fold_preconditioner`):
         the same update, computed on weights. Any other P is applied to the kind's update.
         """
         cfg = self.cfg

@@ -20,8 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from cem_jax.numerics import dense
 from cem_jax.sharding import constrain
-from cem_jax.updates import dense
 
 Array = jax.Array
 

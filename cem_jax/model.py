@@ -19,8 +19,8 @@ from cem_jax.config import ModelConfig
 from cem_jax.kinds import check_decodable, model_kinds
 from cem_jax.kvcache import Cache, KVCache, cache_contexts
 from cem_jax.layers import Block, RMSNorm, param
+from cem_jax.numerics import dense, rms_norm
 from cem_jax.sharding import constrain
-from cem_jax.updates import dense, rms_norm
 
 Array = jax.Array
 

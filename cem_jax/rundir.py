@@ -33,7 +33,7 @@ from cem_jax.checkpoint import (
     restore_error,
 )
 from cem_jax.data import Tokenizer, files, load_tokenizer
-from cem_jax.data.tokenizer import find_tokenizer
+from cem_jax.data.tokenizers import find_tokenizer
 from cem_jax.model import CEMTransformer, model_from_params
 from cem_jax.optim import make_optimizer
 from cem_jax.train_config import TrainConfig, load_config, save_config

@@ -1,5 +1,5 @@
-"""Sampling: `cem-sample --run DIR [--step N] --prompt "..."`, and `generate` for the library
-and the end-of-training sample.
+"""Sampling: `generate`, for the library, the end-of-training sample and `cem-sample`
+(`cem_jax.cli.sample`).
 
 `generate` is one compiled decode loop around the model's own forward pass with a decode cache
 (`CEMTransformer.__call__(..., cache=...)`, `cem_jax.kvcache`): the prompts are evaluated at
@@ -10,22 +10,19 @@ exactly as after a fresh `[EOS]` (positions restart at 0 there; the cache keeps 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import math
-import sys
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cem_jax.arguments import sample_parser
 from cem_jax.config import ModelConfig
 from cem_jax.data.batches import document_positions
 from cem_jax.kvcache import cache_bytes
-from cem_jax.memory import check_fits, is_out_of_memory
+from cem_jax.memory import check_fits
 from cem_jax.model import init_cache, model_from_params
 
 Array = jax.Array
@@ -197,72 +194,3 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
             hit = np.flatnonzero(row == s.eos_id)
             new[b] = hit[0] + 1 if hit.size else tokens.shape[1]
     return Generation(tokens, new, logits[:, :int(steps)] if keep_logits else None, bytes_)
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`cem-sample`: print continuations of the prompts; returns the exit status (0 ok; 1 a
-    crash, or object storage unreachable or failing: one line; 2 a usage error or a run that
-    cannot be sampled as asked: a missing or unreadable run directory or checkpoint, a bad
-    option value, a decode that does not fit in memory). The console script
-    (`cem_jax.commands.sample`) parses the arguments before JAX is imported."""
-    return run_command(sample_parser().parse_args(argv))
-
-
-def run_command(args: argparse.Namespace) -> int:
-    """`main` on parsed arguments (`cem_jax.arguments.sample_parser`)."""
-    # the training stack (checkpoint loading) is imported only by the command
-    from cem_jax.checkpoint import CheckpointError
-    from cem_jax.compilation_cache import use_compilation_cache
-    from cem_jax.data.storage_errors import storage_error
-    from cem_jax.rundir import load_run, quiet_checkpoint_logs
-
-    quiet_checkpoint_logs()
-    try:
-        run = load_run(args.run, args.step)
-        use_compilation_cache(run.config)
-    except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
-        if (said := storage_error(err)) is not None:
-            print(f"cem-sample: error: {said}", file=sys.stderr)
-            return 1
-        if not isinstance(err, (FileNotFoundError, CheckpointError, ValueError)):
-            raise
-        print(f"cem-sample: error: {err}", file=sys.stderr)
-        return 2
-    tok = run.tokenizer
-    try:
-        sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                                  tok.eos_id, not args.no_stop_at_eos, tok.pad_id, args.seed,
-                                  vocab_size=tok.vocab_size)
-    except ValueError as err:
-        print(f"cem-sample: {err}", file=sys.stderr)
-        return 2
-    texts = args.prompt or [""]
-    prompts = [[tok.eos_id] + tok.encode(t) for t in texts]  # EOS starts a document
-    model_cfg = run.config.model
-    if args.steps is not None:  # test-time recursion (DESIGN.md §1: the steps share weights)
-        model_cfg = dataclasses.replace(model_cfg, steps=args.steps)
-    try:
-        out = generate(run.params, model_cfg, prompts, sampling)
-    except ValueError as err:  # DoesNotFit: refused before anything was allocated
-        print(f"cem-sample: error: {err}", file=sys.stderr)
-        return 2
-    except jax.errors.JaxRuntimeError as err:
-        if not is_out_of_memory(err):
-            raise
-        print(f"cem-sample: error: decoding needs more memory than the device has "
-              f"({str(err).splitlines()[0]}); lower --max-new-tokens or the number of prompts",
-              file=sys.stderr)
-        return 2
-    for text, row, n in zip(texts, out.tokens, out.lengths, strict=True):
-        print(text + tok.decode(row[:n]))
-        print("-" * 40)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

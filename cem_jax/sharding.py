@@ -1,7 +1,8 @@
 """The device mesh and one sharding vocabulary for weights and activations.
 
-Mesh axes `MESH_AXES` = ("data", "fsdp", "tensor"). Arrays name their axes logically and
-`LOGICAL_RULES` maps those names to mesh axes (MaxText's `logical_axis_rules`):
+Mesh axes `MESH_AXES` = ("data", "fsdp", "tensor"), from the one table of mesh axes
+(`cem_jax.train_config.MESH_AXIS_TABLE`). Arrays name their axes logically and `LOGICAL_RULES`,
+derived from that table, maps those names to mesh axes (MaxText's `logical_axis_rules`):
 
     batch    → ("data", "fsdp")   the rows of batches and of every activation
     length   → None               sequence positions (no sequence parallelism)
@@ -21,21 +22,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-if TYPE_CHECKING:
-    from cem_jax.train_config import MeshConfig
+from cem_jax.train_config import BATCH_AXES, MESH_AXES, MESH_AXIS_TABLE, MeshConfig
 
 Array = jax.Array
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": BATCH_AXES, "length": None, "embed": "fsdp", "vocab": "tensor",
-    "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "norm": None}
+    "batch": BATCH_AXES, "length": None,
+    **{name: axis.name for axis in MESH_AXIS_TABLE for name in axis.shards}, "norm": None}
 
 
 def logical_to_mesh(logical: tuple[str | None, ...], shape: tuple[int, ...],
@@ -93,10 +90,10 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(mesh_sizes(cfg, len(devices))), MESH_AXES)
 
 
-def mesh_sizes(cfg: MeshConfig, count: int) -> tuple[int, int, int]:
+def mesh_sizes(cfg: MeshConfig, count: int) -> tuple[int, ...]:
     """(data, fsdp, tensor) of the mesh section `cfg` on `count` devices, a -1 axis taking the
     devices the others leave. Raises ValueError when the sizes do not multiply to `count`."""
-    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    sizes = list(cfg.sizes())
     if -1 in sizes:
         rest = math.prod(s for s in sizes if s != -1)
         if count % rest:
@@ -104,7 +101,7 @@ def mesh_sizes(cfg: MeshConfig, count: int) -> tuple[int, int, int]:
                              f"devices are not divisible by the fixed axes' product {rest}")
         sizes[sizes.index(-1)] = count // rest
     if math.prod(sizes) != count:
-        raise ValueError(f"mesh data×fsdp×tensor = {sizes} needs {math.prod(sizes)} devices, "
+        raise ValueError(f"mesh {'×'.join(MESH_AXES)} = {sizes} needs {math.prod(sizes)} devices, "
                          f"but there are {count}: change the mesh section (use -1 for "
                          f"one axis to take the rest)")
     return tuple(sizes)
@@ -113,7 +110,8 @@ def mesh_sizes(cfg: MeshConfig, count: int) -> tuple[int, int, int]:
 def local_mesh() -> Mesh:
     """This process' devices on "data" (fsdp = tensor = 1): the mesh of readers (evaluation,
     sampling) of replicated parameters."""
-    return Mesh(np.asarray(jax.local_devices()).reshape(-1, 1, 1), MESH_AXES)
+    return Mesh(np.asarray(jax.local_devices()).reshape(-1, *[1] * (len(MESH_AXES) - 1)),
+                MESH_AXES)
 
 
 def param_shardings(params, logical_specs, mesh: Mesh):

@@ -1,4 +1,4 @@
-"""The statistics of the comparison reports (`cem_jax.compare_report`, `cem_jax.study`): paired
+"""The statistics of the comparison reports (`cem_jax.compare.report`, `cem_jax.study`): paired
 differences by seed with a t-interval, the two one-sided tests of equivalence within a margin
 (TOST), Holm's step-down adjustment over a family of tests, the seed count a TOST needs, and the
 words a comparison earns.

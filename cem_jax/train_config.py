@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -67,6 +67,27 @@ class OptimizerConfig:
                  "a positive integer")
 
 
+class MeshAxis(NamedTuple):
+    """One axis of the device mesh: its name (a field of `MeshConfig`), whether the rows of
+    batches are split over it, and the logical axes of weights it shards (the rules of
+    `cem_jax.sharding.LOGICAL_RULES`)."""
+
+    name: str
+    splits_batch: bool
+    shards: tuple[str, ...]
+
+
+# The mesh axes in mesh order: a new axis is a row here and a field of `MeshConfig`.
+MESH_AXIS_TABLE = (
+    MeshAxis("data", splits_batch=True, shards=()),
+    MeshAxis("fsdp", splits_batch=True, shards=("embed",)),
+    MeshAxis("tensor", splits_batch=False, shards=("vocab", "heads", "kv_heads", "mlp")),
+)
+MESH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE)
+BATCH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE if axis.splits_batch)
+PARAM_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE if axis.shards)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh axes `data` × `fsdp` × `tensor` (one may be -1: all remaining devices).
@@ -89,14 +110,16 @@ class MeshConfig:
 
     def __post_init__(self):
         check_field_types(self)
-        sizes = (self.data, self.fsdp, self.tensor)
-        for name, size in zip(("data", "fsdp", "tensor"), sizes, strict=True):
+        for name, size in zip(MESH_AXES, self.sizes(), strict=True):
             require(size == -1 or size >= 1, name, size, "a positive integer or -1")
-        free = [name for name, size in zip(("data", "fsdp", "tensor"), sizes, strict=True)
-                if size == -1]
+        free = [name for name, size in zip(MESH_AXES, self.sizes(), strict=True) if size == -1]
         if len(free) > 1:
             require(False, free[1], -1, f"a positive integer, since {free[0]} is -1 already "
                     "(one axis takes the devices the others leave)")
+
+    def sizes(self) -> tuple[int, ...]:
+        """The axes' sizes as configured, in `MESH_AXES` order (-1: the remaining devices)."""
+        return tuple(getattr(self, name) for name in MESH_AXES)
 
 
 @dataclasses.dataclass(frozen=True)

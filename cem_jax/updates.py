@@ -1,15 +1,11 @@
-"""Sub-layer updates: closed forms of the energy gradients, the Llama baseline, recursive steps,
-and the one dispatch point between implementations (DESIGN.md §1–§2; the preconditioners P are
-`cem_jax.preconditioners`).
+"""Closed forms of the energy gradients u = -∇_y E(y | c), and the Llama baseline (DESIGN.md
+§1–§2).
 
-A sub-layer with input x⁰ [B,T,D] fixes the context c = RMSNorm(x⁰) and takes `steps` steps
-
-    xᵏ⁺¹ = xᵏ + P·u(yᵏ | c),   yᵏ = RMSNorm(xᵏ),   u = -∇_y E(y | c)   (k = 0 … steps-1)
-
-`Mixer` bundles one sub-layer's math as functions of (y, c); `run_steps` is the step loop and the
-dispatch: `impl="autodiff"` takes u from `-jax.grad(mixer.energy)`, every other impl from the
-closed form `mixer.direction`, whose attention core (`cem_jax.attention`: XLA, the Pallas kernel or
-cuDNN) the attention mixers choose at trace time. Untied (Llama) sub-layers have no energy: their
+`Mixer` bundles one sub-layer's math as functions of the variable y and the fixed context c:
+its energy (the oracle), and its closed-form direction, whose attention core
+(`cem_jax.attention`: XLA, the Pallas kernel or cuDNN) the attention mixers choose at trace
+time. The step loop that applies a mixer, and the preconditioner P, sit with the sub-layer
+(`cem_jax.layers.run_steps`). Untied (Llama) sub-layers have no energy: their
 "direction" is the ordinary Llama output, so a baseline block is exactly a pre-norm Llama block
 at steps=1, P=I. The attention mixers read their context from the sequence itself or from a
 decode cache (`cem_jax.kvcache`).
@@ -25,7 +21,6 @@ import jax.numpy as jnp
 
 from cem_jax import kvcache
 from cem_jax.attention import attention_impl, causal_attention, cudnn_attention, pallas_attention
-from cem_jax.config import IMPLS
 from cem_jax.energies import (
     Activation,
     AttentionSpec,
@@ -37,63 +32,14 @@ from cem_jax.energies import (
     rope_tables,
 )
 from cem_jax.kvcache import Cache, KVCache
+from cem_jax.numerics import dense, merge_heads, split_heads
 
 Array = jax.Array
 
 
 # ----------------------------------------------------------------------------------------------
-# RMSNorm and its vector-Jacobian product (for gradients taken through the norm).
-# ----------------------------------------------------------------------------------------------
-
-
-def rms_norm(x: Array, scale: Array, eps: float) -> Array:
-    """RMSNorm: x / sqrt(mean(x²) + eps) · scale, over the last axis D, computed in fp32 and
-    returned in x.dtype (Zhang & Sennrich 2019; Hugging Face LlamaRMSNorm)."""
-    x32 = x.astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * inv * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def rms_norm_vjp(x: Array, scale: Array, eps: float, v: Array) -> Array:
-    """Jᵀv for J = ∂RMSNorm(x)/∂x, in closed form, [B,T,D]:
-
-        (Jᵀv)_j = (s⊙v)_j / r - x_j · Σ_i (s⊙v⊙x)_i / (D r³),   r = sqrt(mean(x²) + eps)
-    """
-    x32, sv = x.astype(jnp.float32), (v * scale).astype(jnp.float32)
-    r2 = jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps
-    inv = jax.lax.rsqrt(r2)
-    proj = jnp.sum(sv * x32, axis=-1, keepdims=True) / (x.shape[-1] * r2)
-    return ((sv - x32 * proj) * inv).astype(v.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
 # Attention: the closed-form update of the interaction energy, and Llama attention.
 # ----------------------------------------------------------------------------------------------
-
-
-def dense(x: Array, w: Array, **kwargs) -> Array:
-    """x [..., D] @ w [D, N] → [..., N] as one 2-D matmul over the flattened leading axes.
-
-    The same product as `x @ w`, but on CPU XLA lays out the backward of a 3-D `[B,T,D] @
-    [D,N]` with slow transposing copies of the [B,T,N] gradient; the 2-D form made the train
-    step of the `make train` model ~1.25x faster (benchmarks/train_step.py). kwargs go to
-    `jnp.matmul` (e.g. preferred_element_type).
-    """
-    return jnp.matmul(x.reshape(-1, x.shape[-1]), w, **kwargs).reshape(*x.shape[:-1], -1)
-
-
-def _split_heads(x: Array, w: Array) -> Array:
-    """Project x [B,T,D] with w [D,N,K] to heads-major [B,N,T,K] (one 2-D matmul, then a
-    transpose: faster on CPU than a direct einsum into that layout)."""
-    B, T, _ = x.shape
-    D, N, K = w.shape
-    return dense(x, w.reshape(D, N * K)).reshape(B, T, N, K).transpose(0, 2, 1, 3)
-
-
-def _merge_heads(o: Array, w: Array) -> Array:
-    """Σ_n o_n W_n: heads-major o [B,N,T,K] with w [N·K, D] back to [B,T,D]."""
-    B, N, T, K = o.shape
-    return dense(o.transpose(0, 2, 1, 3).reshape(B, T, N * K), w)
 
 
 def _rope_tables(positions: Array, spec: AttentionSpec) -> tuple[Array, Array] | None:
@@ -164,8 +110,8 @@ def _attention_context(params: dict, spec: AttentionSpec, positions: Array | Non
         else:
             pos = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
         tables = _rope_tables(pos, spec)
-        new = KVCache(_rotated(_split_heads(c, params["key"]), tables),
-                      _split_heads(c, params["value"]) if values else None,
+        new = KVCache(_rotated(split_heads(c, params["key"]), tables),
+                      split_heads(c, params["value"]) if values else None,
                       c if context else None)
         if cache is None:
             return AttentionContext(*new, attention_mask(segment_ids, T), tables)
@@ -180,7 +126,7 @@ def _attention_context(params: dict, spec: AttentionSpec, positions: Array | Non
 def _query_heads(y: Array, params: dict, spec: AttentionSpec, ctx: AttentionContext) -> Array:
     """Rotated queries R_t Wq y grouped by key head: y [B,T,D] → [B,G,H/G,T,K]."""
     B, T, _ = y.shape
-    q = _rotated(_split_heads(y, params["query"]), ctx.rope)
+    q = _rotated(split_heads(y, params["query"]), ctx.rope)
     return q.reshape(B, spec.num_kv_heads, -1, T, spec.head_dim)
 
 
@@ -245,7 +191,7 @@ def tied_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | N
         else:
             o = causal_attention(q, k, k, ctx.mask, spec, skip=cache is None)
             o = o.reshape(B, spec.num_heads, T, -1)
-        u = _merge_heads(_rotated(o[..., :K], ctx.rope, inverse=True), out)  # P Wq R_tᵀ o
+        u = merge_heads(_rotated(o[..., :K], ctx.rope, inverse=True), out)  # P Wq R_tᵀ o
         if diag is not None and diag.ndim == 2:  # Σ_h P d_h ⊙ (p_h @ c)
             u = u + jnp.einsum("bhtd,hd->btd", o[..., K:], diag * out_scale)
         elif diag is not None:
@@ -282,7 +228,7 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
                                  segment_ids, spec)
         else:
             o = causal_attention(q, ctx.key, ctx.value, ctx.mask, spec, skip=cache is None)
-        return _merge_heads(o.reshape(B, spec.num_heads, T, -1), out)
+        return merge_heads(o.reshape(B, spec.num_heads, T, -1), out)
 
     return Mixer(prepare, direction, None)
 
@@ -321,67 +267,3 @@ def tied_mlp_mixer(params: dict, activation: Activation) -> Mixer:
 def swiglu_mixer(params: dict, activation: Activation) -> Mixer:
     """Untied gated MLP (SwiGLU for SiLU): Wdown(σ(Wg y) ⊙ Wu c), Wdown [F,D]. No energy."""
     return _gated_mixer(params, activation, params["down"] * params.get("out_scale", 1.0), None)
-
-
-# ----------------------------------------------------------------------------------------------
-# The step loop: the single dispatch point between implementations.
-# ----------------------------------------------------------------------------------------------
-
-
-def run_steps(x0: Array, mixer: Mixer, *, norm_scale: Array, eps: float,
-              precond: Callable[[Array], Array], steps: int = 1, impl: str = "xla",
-              gradient_wrt: str = "normalized", recompute_context: bool = False,
-              monitor: bool = False) -> tuple[Array, Array | None, list]:
-    """Apply one CEM sub-layer to the residual stream x0 [B,T,D]; returns (x_T, energies,
-    contexts).
-
-    precond: u ↦ P·u (`cem_jax.preconditioners.precondition`), or the identity when P is already
-      folded into the mixer's output projection (`fold_preconditioner`, as `layers.SubLayer`
-      does).
-    impl: "autodiff" uses -jax.grad of `mixer.energy` (mixers without an energy, untied or
-      cached, use their direction); every other impl ("xla", "pallas", "cudnn", "auto") is the
-      closed form `mixer.direction`, whose attention core the mixer was built with.
-    gradient_wrt: "normalized" (u = -∇_y E) or "residual" (u = -∇_x E(RMSNorm(x) | c)).
-    recompute_context: c = RMSNorm(xᵏ) at every step instead of RMSNorm(x⁰).
-    monitor: also return energies fp32 [steps, 2, B, T]: E(yᵏ | cᵏ) before and E(yᵏ⁺¹ | cᵏ)
-      after each step (None for mixers without an energy or when monitor is False).
-    contexts: what `mixer.prepare` returned for each context, in order (one, or `steps` with
-      recompute_context; none under autodiff): a cached attention mixer's updated cache.
-    Raises `ValueError` for an unknown impl or gradient_wrt.
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; use one of {IMPLS}")
-    if gradient_wrt not in ("normalized", "residual"):
-        raise ValueError(f"unknown gradient_wrt {gradient_wrt!r}; use normalized or residual")
-    use_autodiff = impl == "autodiff" and mixer.energy is not None
-
-    def norm(x):
-        return rms_norm(x, norm_scale, eps)
-
-    def direction(x, y, c, prepared):
-        if use_autodiff:
-            if gradient_wrt == "residual":
-                return -jax.grad(lambda x_: mixer.energy(norm(x_), c).sum())(x)
-            return -jax.grad(lambda y_: mixer.energy(y_, c).sum())(y)
-        u = mixer.direction(y, prepared)
-        return rms_norm_vjp(x, norm_scale, eps, u) if gradient_wrt == "residual" else u
-
-    def prepare(c):
-        if not use_autodiff:
-            contexts.append(mixer.prepare(c, len(contexts)))
-        return contexts[-1] if contexts else None
-
-    x, c = x0, norm(x0)
-    contexts: list = []
-    prepared = prepare(c)
-    energies = []
-    for k in range(steps):
-        y = c if k == 0 else norm(x)
-        if recompute_context and k > 0:
-            c = y
-            prepared = prepare(c)
-        x_next = x + precond(direction(x, y, c, prepared))
-        if monitor and mixer.energy is not None:
-            energies.append(jnp.stack([mixer.energy(y, c), mixer.energy(norm(x_next), c)]))
-        x = x_next
-    return x, (jnp.stack(energies) if energies else None), contexts

@@ -12,14 +12,9 @@ from hypothesis import strategies as st
 
 from cem_jax.attention import attend
 from cem_jax.energies import AttentionSpec, get_activation
-from cem_jax.preconditioners import precondition
-from cem_jax.updates import (
-    rms_norm,
-    rms_norm_vjp,
-    run_steps,
-    tied_attention_mixer,
-    tied_mlp_mixer,
-)
+from cem_jax.layers import precondition, run_steps
+from cem_jax.numerics import rms_norm, rms_norm_vjp
+from cem_jax.updates import tied_attention_mixer, tied_mlp_mixer
 
 
 def attention_params(key, D, H, G, K, diag=None, std=0.3):

@@ -11,30 +11,31 @@ datasets and the batches of a step (DESIGN.md §4).
     load_tokens(cfg, tokenizer, "validation").stats.bits_per_byte(mean_loss_nats)
 
 Modules, from the bottom up: `config` (DataConfig), `storage_errors` (a failing object
-storage in one line), `files` (local paths and gs:// alike),
-`formats_common` (what the readers share: Document, UTF-8 decoding, the checks of a file's first
-bytes), `formats_text`, `formats_parquet`, `formats_arrayrecord` (a reader per family of
-formats), `formats` (a file's format, and its documents), `shakespeare` (the archive, held-out
-works), `sources` (a corpus spec as files and units of work), `tokenizer` (the API and its
-files), `tokenizer_sentencepiece` and `tokenizer_hf` (the two kinds), `tokenizer_training`,
-`tokenizer_loading`, `shards` (a tokenized dataset), `tokenize` (tokenizing once, in parallel),
-`distributed` (what processes agree on), `pipeline` (a run's splits), `batches` (the batches of a
-step), `cli` (cem-data). The names below are imported when first used, so `import
-cem_jax.data.config` (or a tokenization worker) loads no JAX.
+storage in one line), `files` (local paths and gs:// alike), `formats` (a package: the table of
+corpus formats, a file's format and its documents; a reader module per family of formats, and
+`formats.common`, what they share), `shakespeare` (the archive, held-out works), `sources` (a
+corpus spec as files and units of work), `tokenizers` (a package: the `Tokenizer` API and the
+table of its kinds, `tokenizers.sentencepiece` and `tokenizers.huggingface`;
+`tokenizers.training`, `tokenizers.loading`), `shards` (a tokenized dataset), `tokenize`
+(tokenizing once, in parallel), `distributed` (what processes agree on), `pipeline` (a run's
+splits), `batches` (the batches of a step). The `cem-data` command is `cem_jax.cli.data`. The
+names below are imported when first used, so `import cem_jax.data.config` (or a tokenization
+worker) loads no JAX.
 """
 
 import importlib
 
 _EXPORTS = {
-    "DataConfig": "config", "Document": "formats_common", "FetchError": "shakespeare",
+    "DataConfig": "config", "Document": "formats", "FetchError": "shakespeare",
     "HELD_OUT_WORKS": "shakespeare", "MILTON_WORKS": "shakespeare",
     "SELECTION_WORKS": "shakespeare",
-    "fetch_archive": "shakespeare", "Source": "sources", "Tokenizer": "tokenizer",
-    "HuggingFaceTokenizer": "tokenizer_hf", "SentencePieceTokenizer": "tokenizer_sentencepiece",
-    "check_fits": "tokenizer", "find_tokenizer": "tokenizer",
-    "load_tokenizer": "tokenizer_loading", "train_tokenizer": "tokenizer_training",
-    "BOS_ID": "tokenizer_training", "EOS_ID": "tokenizer_training",
-    "PAD_ID": "tokenizer_training", "UNK_ID": "tokenizer_training",
+    "fetch_archive": "shakespeare", "Source": "sources", "Tokenizer": "tokenizers",
+    "HuggingFaceTokenizer": "tokenizers.huggingface",
+    "SentencePieceTokenizer": "tokenizers.sentencepiece",
+    "check_fits": "tokenizers", "find_tokenizer": "tokenizers",
+    "load_tokenizer": "tokenizers.loading", "train_tokenizer": "tokenizers.training",
+    "BOS_ID": "tokenizers.training", "EOS_ID": "tokenizers.training",
+    "PAD_ID": "tokenizers.training", "UNK_ID": "tokenizers.training",
     "DatasetError": "shards", "tokenize_dataset": "tokenize", "SplitStats": "pipeline",
     "TokenizedSplit": "pipeline", "build_tokenizer": "pipeline", "load_tokens": "pipeline",
     "make_eval_batches": "batches", "make_train_iterator": "batches",

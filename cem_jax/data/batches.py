@@ -44,7 +44,7 @@ import numpy as np
 from cem_jax.data.config import DataConfig
 from cem_jax.data.pipeline import load_tokens
 from cem_jax.data.shards import TokenStream
-from cem_jax.data.tokenizer import Tokenizer
+from cem_jax.data.tokenizers import Tokenizer
 
 
 def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, first_step: int = 0,

@@ -46,7 +46,7 @@ class DataConfig:
     text_column: the field of a JSONL object, or the column of a Parquet file, holding a
       document's text.
     tokenizer: path (or URL) of a tokenizer file: a sentencepiece `.model` or a Hugging Face
-      `tokenizer.json` (`cem_jax.data.tokenizer`; its special tokens from a
+      `tokenizer.json` (`cem_jax.data.tokenizers`; its special tokens from a
       `tokenizer_config.json` beside it); None: the tokenizer of the dataset `corpus` names,
       or a sentencepiece BPE tokenizer trained on the
       training split (cached in `cache_dir/tokenizers/`).

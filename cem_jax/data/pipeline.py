@@ -35,13 +35,13 @@ import jax
 
 from cem_jax.data import files, shakespeare, shards
 from cem_jax.data.config import DataConfig
-from cem_jax.data.formats_common import Document
+from cem_jax.data.formats import Document
 from cem_jax.data.shards import DatasetError, Manifest, TokenStream
 from cem_jax.data.sources import Source, builtin_source, digest, user_source
 from cem_jax.data.tokenize import dataset_identity, tokenize_dataset
-from cem_jax.data.tokenizer import Tokenizer
-from cem_jax.data.tokenizer_loading import load_tokenizer
-from cem_jax.data.tokenizer_training import TRAINER_VERSION, train_tokenizer
+from cem_jax.data.tokenizers import Tokenizer
+from cem_jax.data.tokenizers.loading import load_tokenizer
+from cem_jax.data.tokenizers.training import TRAINER_VERSION, train_tokenizer
 
 SPLITS = ("train", "validation", "milton")
 # Splits opened in this process: (dataset root, split, limit) → TokenizedSplit.

@@ -8,11 +8,11 @@ FORMAT one of `cem_jax.data.formats.FORMATS` (without it, the format follows eac
 other spec with `*`, `?` or `[` is a glob (`**` recursive), its files sorted.
 
 Units. A unit is a run of consecutive files (or, for the built-in corpus, of works) holding
-about `UNIT_BYTES` of data, or a run of row groups of a Parquet file larger than that; any
-other file larger than that is a unit alone. Units depend on the files' names and sizes (and a
-large Parquet file's row-group sizes) only, so every process and every run cuts a source
-alike: a tokenized dataset has one shard per unit and split, and an interrupted tokenization
-resumes at its first unfinished unit.
+about `UNIT_BYTES` of data, or a run of the parts of a file larger than that whose format splits
+(`formats.Format.parts`: a Parquet file's row groups); any other file larger than that is a unit
+alone. Units depend on the files' names and sizes (and a large Parquet file's row-group sizes)
+only, so every process and every run cuts a source alike: a tokenized dataset has one shard per
+unit and split, and an interrupted tokenization resumes at its first unfinished unit.
 
 Fingerprint: what identifies the text without reading it: the archive's SHA-256 and the works
 for the built-in corpus; every file's path, size and version (modification time, or a bucket
@@ -25,12 +25,11 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from cem_jax.data import files, formats, shakespeare
-from cem_jax.data.formats import FORMATS
-from cem_jax.data.formats_common import Document, decode
-from cem_jax.data.formats_parquet import Part, row_groups
+from cem_jax.data.formats import BY_NAME, FORMATS, Document, Part
+from cem_jax.data.formats.common import decode
 
 BUILTIN = ("shakespeare", "milton")
 UNIT_BYTES = 64 * 2**20  # a unit of work holds about this much (files are not cut)
@@ -47,8 +46,8 @@ def digest(identity: list) -> str:
 @dataclasses.dataclass(frozen=True)
 class Unit:
     """A unit of work: the files `first` … `last` of its source (works, for a built-in one),
-    or, with `part`, the row groups `part` of the Parquet file `first` (= `last`); `size` bytes
-    of them in all."""
+    or, with `part`, the part `part` (Parquet: row groups) of the file `first` (= `last`);
+    `size` bytes of them in all."""
 
     index: int
     first: int
@@ -106,8 +105,8 @@ class Source:
             if size > target:  # alone: the files before it close their unit first
                 if held:
                     units.append(Unit(len(units), first, i - 1, held))
-                if self._format(i) == "parquet":
-                    units += self._row_group_units(i, len(units))
+                if parts := self._parts(i):
+                    units += self._part_units(i, len(units), parts)
                 else:
                     units.append(Unit(len(units), i, i, size))
                 first, held = i + 1, 0
@@ -121,10 +120,16 @@ class Source:
     def _format(self, i: int) -> str:
         return formats.format_of(self.files[i]) if self.kind == "auto" else self.kind
 
-    def _row_group_units(self, i: int, index: int) -> list[Unit]:
-        """Units of about UNIT_BYTES of text of the row groups of Parquet file `i`."""
+    def _parts(self, i: int) -> Callable[..., list[Part]] | None:
+        """How file `i` splits into parts (`formats.Format.parts`); None: it is read whole (a
+        built-in corpus's works too)."""
+        row = BY_NAME.get(self._format(i))
+        return row.parts if row else None
+
+    def _part_units(self, i: int, index: int, parts: Callable[..., list[Part]]) -> list[Unit]:
+        """Units of about UNIT_BYTES of text of the parts (Parquet: row groups) of file `i`."""
         units, start, held = [], 0, 0
-        groups = row_groups(self.files[i], text_column=self.text_column)
+        groups = parts(self.files[i], text_column=self.text_column)
         for g, group in enumerate(groups):
             held += group.size
             if held >= UNIT_BYTES or g == len(groups) - 1:

@@ -32,8 +32,8 @@ from typing import Any
 from cem_jax.data import files, shards
 from cem_jax.data.shards import DatasetError, Manifest, Shard, ShardWriter
 from cem_jax.data.sources import Source, Unit, digest
-from cem_jax.data.tokenizer import Tokenizer
-from cem_jax.data.tokenizer_loading import tokenizer_from_files
+from cem_jax.data.tokenizers import Tokenizer
+from cem_jax.data.tokenizers.loading import tokenizer_from_files
 
 ENCODE_BATCH_CHARS = 1 << 22  # characters handed to the tokenizer at once
 

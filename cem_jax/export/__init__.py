@@ -12,7 +12,8 @@ Every writer builds its output in a temporary directory beside `--out` and renam
 at the end (`output.staged_dir`): a failure leaves nothing half-written. An existing non-empty
 `--out` is only replaced with `overwrite=True`, only when it is an earlier output, and then only
 the files that output wrote (its marker lists them); a directory holding a training run never.
-No pickle: tensors go through safetensors.
+No pickle: tensors go through safetensors. The commands `cem-export` and `cem-import` are
+`cem_jax.cli.export`.
 """
 
 from cem_jax.export.output import ExportError

@@ -44,7 +44,7 @@ from pathlib import Path
 import tokenizers
 
 from cem_jax.data import Tokenizer
-from cem_jax.data.tokenizer import CONFIG_FILE
+from cem_jax.data.tokenizers import CONFIG_FILE
 from cem_jax.export.output import file_in
 
 

@@ -6,7 +6,7 @@ The run directory is what `cem-train` writes: config.yaml (the model's architect
 more than the tokenizer's ids; the other model fields, such as dtype, and the data/optimizer/run
 sections from `--config` and overrides, with data.tokenizer set to the run's own tokenizer),
 the Llama's tokenizer (its sentencepiece tokenizer.model, else its tokenizer.json, with the
-special tokens its tokenizer_config.json names: `cem_jax.data.tokenizer`), and checkpoint 0
+special tokens its tokenizer_config.json names: `cem_jax.data.tokenizers`), and checkpoint 0
 (parameters, a fresh optimizer state, step 0, the data iterator at its start). `cem-train` on
 that directory resumes from step 0, i.e. fine-tunes the imported weights.
 """
@@ -23,7 +23,7 @@ import safetensors.flax
 
 from cem_jax.config_files import apply_overrides, load_yaml
 from cem_jax.data import find_tokenizer, load_tokenizer
-from cem_jax.data.tokenizer import saved_names
+from cem_jax.data.tokenizers import saved_names
 from cem_jax.export.hf_llama import from_llama
 from cem_jax.export.output import ExportError, staged_dir
 from cem_jax.export.safetensors_io import unflat_params

@@ -37,7 +37,7 @@ import safetensors.numpy
 from cem_jax.config import ModelConfig
 from cem_jax.config_files import from_dict
 from cem_jax.data import Tokenizer, find_tokenizer, load_tokenizer
-from cem_jax.data.tokenizer import saved_names
+from cem_jax.data.tokenizers import saved_names
 from cem_jax.export.output import ExportError, file_in, staged_dir, write_safetensors
 from cem_jax.model import model_from_params
 

@@ -1,4 +1,4 @@
-"""The study behind docs/results.md (`cem-study`, `cem_jax.study.cli`): CEM configs against a
+"""The study behind docs/results.md (`cem-study`, `cem_jax.cli.study`): CEM configs against a
 Llama twin, each at the learning rate its own sweep picks, over enough seeds for an equivalence
 test, at equal steps and equal training FLOPs, and over model size.
 

@@ -49,8 +49,8 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from cem_jax.compare_report import param_counts, step_flops
-from cem_jax.compare_runs import RunSpec, read_metrics, train_one
+from cem_jax.compare.report import param_counts, step_flops
+from cem_jax.compare.runs import RunSpec, read_metrics, train_one
 from cem_jax.data import files, find_tokenizer, load_tokenizer, load_tokens, make_eval_batches
 from cem_jax.data.shards import read_manifest
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run

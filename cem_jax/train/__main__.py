@@ -2,6 +2,6 @@
 
 import sys
 
-from cem_jax.train import main
+from cem_jax.cli.train import main
 
 sys.exit(main())

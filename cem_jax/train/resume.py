@@ -13,7 +13,7 @@ from cem_jax import exits
 from cem_jax.config import NOT_IN_MATH
 from cem_jax.data import Tokenizer, build_tokenizer, files, load_tokenizer
 from cem_jax.data.config import token_stream_fields
-from cem_jax.data.tokenizer import find_tokenizer
+from cem_jax.data.tokenizers import find_tokenizer
 from cem_jax.rundir import Run, load_run
 from cem_jax.train.metrics import logged_values
 from cem_jax.train_config import TrainConfig, load_config

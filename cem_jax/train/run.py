@@ -1,4 +1,4 @@
-"""Train (or resume) a run: `train(cfg)`, the body of `cem-train` (`cem_jax.train.command`).
+"""Train (or resume) a run: `train(cfg)`, the body of `cem-train` (`cem_jax.cli.train`).
 
 A run directory (local, or a bucket's URL: `gs://...`) holds config.yaml (resolved), its
 tokenizer (tokenizer.model, or tokenizer.json and tokenizer_config.json), metrics.jsonl,
@@ -228,7 +228,10 @@ def _train(cfg: TrainConfig, run_dir: str, mesh: jax.sharding.Mesh, lead: bool,
             if meta["tokenizer_sha256"] != tokenizer.sha256:
                 raise CheckpointError(f"{files.join(run_dir, tokenizer.file_name)} is not the "
                                       f"tokenizer the checkpoint was trained with")
-            logger.info("resumed %s from step %d", run_dir, resume_step)
+            if resume_step == 0:  # training saves from step 1 on: cem-import wrote it
+                logger.info("starting %s from its imported parameters (checkpoint 0)", run_dir)
+            else:
+                logger.info("resumed %s from step %d", run_dir, resume_step)
         exits.check()
         if lead and finished is None:  # once the checkpoint is known good, and to be trained
             if not files.is_url(run_dir):  # cem-import writes local directories only

@@ -22,7 +22,7 @@ from cem_jax.sharding import (
     logical_to_mesh,
 )
 from cem_jax.train.step import TRAIN_KEYS, Trainer
-from cem_jax.train_config import TrainConfig
+from cem_jax.train_config import BATCH_AXES, PARAM_AXES, TrainConfig
 
 GIB = 2**30
 MIB = 2**20
@@ -53,10 +53,11 @@ def check_batch_split(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> int:
     """Rows of one micro-batch (data.batch_size / optimizer.accumulation_steps); raises
     ValueError when they cannot be split evenly over the data×fsdp devices."""
     rows = cfg.data.batch_size // cfg.optimizer.accumulation_steps
-    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    split = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if rows % split:
         raise ValueError(f"a micro-batch of {rows} rows (data.batch_size / optimizer."
-                         f"accumulation_steps) cannot be split over data×fsdp = {split} devices")
+                         f"accumulation_steps) cannot be split over {'×'.join(BATCH_AXES)} = "
+                         f"{split} devices")
     return rows
 
 
@@ -68,7 +69,7 @@ def check_fits_in_memory(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
     before anything is written, instead of an out-of-memory traceback after."""
     count = param_counts(cfg.model)["total"]
     params = count * jnp.dtype(cfg.model.param_dtype).itemsize
-    state = 4 * params // (mesh.shape["fsdp"] * mesh.shape["tensor"])
+    state = 4 * params // math.prod(mesh.shape[a] for a in PARAM_AXES)
     act = activation_estimate(cfg.model, mesh, check_batch_split(cfg, mesh), cfg.data.seq_len)
     remat = "" if cfg.model.remat == "full" else ", set model.remat=full"
     check_fits(state + act["total"], f"a train step of this {count:,}-parameter model "
@@ -105,7 +106,7 @@ def abstract_step(cfg: TrainConfig, mesh, say: Callable[[str], None], devices: s
     B, T, A = cfg.data.batch_size, cfg.data.seq_len, cfg.optimizer.accumulation_steps
     shape = " ".join(f"{k}={v}" for k, v in mesh.shape.items())
     say(f"mesh: {shape} ({devices})")
-    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    split = math.prod(mesh.shape[a] for a in BATCH_AXES)
     say(f"global batch: {B} rows x {T} tokens = {B * T:,} tokens per step ({A} micro-batch"
         f"{'es' if A > 1 else ''} of {rows} rows; {rows // split} rows per device)")
     trainer = Trainer(cfg.model, cfg.optimizer, cfg.run.steps, mesh)

@@ -34,8 +34,8 @@ from cem_jax.config import ModelConfig
 from cem_jax.forward import batch_cross_entropy, make_eval_step
 from cem_jax.model import CEMTransformer, abstract_params
 from cem_jax.optim import learning_rate, make_optimizer
-from cem_jax.sharding import BATCH_AXES, batch_sharding, param_shardings, replicated
-from cem_jax.train_config import OptimizerConfig
+from cem_jax.sharding import batch_sharding, param_shardings, replicated
+from cem_jax.train_config import BATCH_AXES, OptimizerConfig
 
 Batch = dict[str, jax.Array]
 TRAIN_KEYS = ("inputs", "targets", "segment_ids", "positions")

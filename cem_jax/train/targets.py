@@ -18,10 +18,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from cem_jax.attention import attention_impl
 from cem_jax.loss import chunk_length
-from cem_jax.sharding import (
-    MESH_AXES,
-    mesh_sizes,
-)
+from cem_jax.sharding import mesh_sizes
 from cem_jax.train.sizing import (
     GIB,
     MIB,
@@ -30,7 +27,7 @@ from cem_jax.train.sizing import (
     check_batch_split,
     describe_model,
 )
-from cem_jax.train_config import TrainConfig
+from cem_jax.train_config import MESH_AXES, TrainConfig
 
 
 class Family(NamedTuple):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import yaml
 
+from cem_jax.cli.data import main
 from cem_jax.data import HELD_OUT_WORKS, load_tokenizer
-from cem_jax.data.cli import main
 from cem_jax.data.shakespeare import ARCHIVE_SHA256
 
 

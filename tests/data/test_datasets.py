@@ -15,11 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cem_jax.cli.data import main as data_main
 from cem_jax.data import (
     DataConfig,
     build_tokenizer,
     files,
-    formats_parquet,
     load_tokenizer,
     load_tokens,
     make_train_iterator,
@@ -27,7 +27,7 @@ from cem_jax.data import (
     sources,
     tokenize,
 )
-from cem_jax.data.cli import main as data_main
+from cem_jax.data.formats.parquet import row_groups
 from cem_jax.data.shards import DatasetError, TokenStream
 from cem_jax.data.tokenize import tokenize_dataset
 
@@ -173,7 +173,7 @@ def test_units_gather_files_up_to_a_size_and_cut_a_large_parquet_file(tmp_path, 
         (0, 0, 5), (1, 1, 20), (2, 2, 3)]
     path = tmp_path / "big.parquet"
     pq.write_table(pa.table({"text": ["x" * 40] * 10}), path, row_group_size=2)
-    group = formats_parquet.row_groups(str(path))[0].size  # each of the 5 row groups alike
+    group = row_groups(str(path))[0].size  # each of the 5 row groups alike
     assert 0 < 2 * group < path.stat().st_size
     monkeypatch.setattr(sources, "UNIT_BYTES", 2 * group)
     source = sources.user_source(str(path))

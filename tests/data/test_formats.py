@@ -1,6 +1,6 @@
-"""Readers of corpus files (cem_jax.data.formats and its formats_* modules): text, JSONL (plain,
-gzip, zstd), Parquet and ArrayRecord, local and on gs:// (a local emulator); and the one-line
-errors of bad files."""
+"""Readers of corpus files (the cem_jax.data.formats package): text, JSONL (plain, gzip, zstd),
+Parquet and ArrayRecord, local and on gs:// (a local emulator); and the one-line errors of bad
+files."""
 
 import gzip
 import json
@@ -14,9 +14,9 @@ import zstandard
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from cem_jax.data import files
-from cem_jax.data.formats import documents, format_of
-from cem_jax.data.formats_common import Document, compression_of
-from cem_jax.data.formats_parquet import Part, row_groups
+from cem_jax.data.formats import Document, Part, documents, format_of
+from cem_jax.data.formats.common import compression_of
+from cem_jax.data.formats.parquet import row_groups
 
 
 def read(path, fmt=None, **kwargs) -> list[tuple[str, str]]:

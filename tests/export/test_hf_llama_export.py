@@ -6,6 +6,7 @@ refused in one line, and damaged files named on import."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -13,8 +14,8 @@ import safetensors.numpy
 from export_helpers import torch_logits
 from helpers import random_params
 
+from cem_jax.cli import export as cli
 from cem_jax.config import ModelConfig
-from cem_jax.export import cli
 from cem_jax.export.hf_llama import export_hf_llama, from_llama
 from cem_jax.export.importer import import_llama, read_llama_dir
 from cem_jax.export.output import ExportError
@@ -308,9 +309,10 @@ def test_a_llama_config_without_its_sizes_is_named(tmp_path, tokenizer):
 
 
 @pytest.mark.slow  # ~10 s: compiles a train step; the import is covered by the tests above
-def test_an_imported_llama3_trains_on(tmp_path, corpus):
-    """A small Llama 3 (llama3 RoPE scaling, GQA, tied head) imported by cem-import resumes as
-    a run from its checkpoint 0 and takes optimizer steps, keeping its scaling."""
+def test_an_imported_llama3_trains_on(tmp_path, corpus, caplog):
+    """A small Llama 3 (llama3 RoPE scaling, GQA, tied head) imported by cem-import starts as
+    a run from its checkpoint 0 (said as such, not as a resume) and takes optimizer steps,
+    keeping its scaling."""
     from cem_jax.train import load_config, train
 
     hf = _llama_dir(tmp_path / "hf", {"rope_parameters": {**LLAMA3, "rope_theta": 500000.0},
@@ -323,8 +325,11 @@ def test_an_imported_llama3_trains_on(tmp_path, corpus):
         "data.seq_len=16", "data.batch_size=4", f"data.cache_dir={corpus / 'cache'}",
         "run.steps=2", "run.log_every=1", "run.eval_every=2", "run.eval_batches=1",
         "run.sample_tokens=0", "run.progress=false"])
-    summary = train(load_config(run / "config.yaml"))
+    with caplog.at_level(logging.INFO, logger="cem_jax"):
+        summary = train(load_config(run / "config.yaml"))
     assert summary["step"] == 2 and np.isfinite(summary["eval"]["loss"])
+    assert f"starting {run} from its imported parameters (checkpoint 0)" in caplog.text
+    assert "resumed" not in caplog.text
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     norms = [r["param_norm"] for r in records if r["kind"] == "train"]
     assert len(norms) == 2 and norms[0] != norms[1]  # the second step moved the weights

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cem_jax.export import cli
+from cem_jax.cli import export as cli
 from cem_jax.sample import SamplingConfig, generate
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "export.md"

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from cem_jax.export import cli, hf, hf_llama, importer, safetensors_io
+from cem_jax.cli import export as cli
+from cem_jax.cli.train import main as train_main
+from cem_jax.export import hf, hf_llama, importer, safetensors_io
 from cem_jax.export.output import MARKER, staged_dir
 from cem_jax.export.safetensors_io import load_safetensors
 from cem_jax.rundir import available_steps
-from cem_jax.train.command import main as train_main
 
 LLAMA = dict(tie_attention=False, tie_mlp=False, preconditioner="none")
 OLD_MARKER = "written by cem_jax; `--overwrite` may replace this folder\n"  # before file lists

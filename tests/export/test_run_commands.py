@@ -15,9 +15,11 @@ import optax
 import pytest
 import safetensors.numpy
 
-from cem_jax import commands, evaluate, sample
+from cem_jax import evaluate
 from cem_jax.checkpoint import CheckpointError
-from cem_jax.export import cli
+from cem_jax.cli import evaluate as cli_evaluate
+from cem_jax.cli import export as cli
+from cem_jax.cli import sample as cli_sample
 from cem_jax.export.safetensors_io import load_safetensors
 from cem_jax.model import model_from_params
 from cem_jax.rundir import RunDirError, load_run
@@ -30,8 +32,9 @@ CEM = dict(interaction="dplr", preconditioner="dplr", steps=2)
 def test_cem_sample_prints_the_greedy_continuation(make_run, capsys, kind):
     run_dir, cfg, params = make_run(tokenizer=kind, **CEM)
     prompts = ["The king", "Thou art a fool and"]
-    assert sample.main(["--run", str(run_dir), "--temperature", "0", "--max-new-tokens", "6",
-                        *(a for p in prompts for a in ("--prompt", p))]) == 0
+    assert cli_sample.main(["--run", str(run_dir), "--temperature", "0",
+                            "--max-new-tokens", "6",
+                            *(a for p in prompts for a in ("--prompt", p))]) == 0
     printed = capsys.readouterr().out.split("-" * 40 + "\n")
     run = load_run(run_dir)
     tok = run.tokenizer
@@ -41,6 +44,18 @@ def test_cem_sample_prints_the_greedy_continuation(make_run, capsys, kind):
     for text, printed_text, row, n in zip(prompts, printed, out.tokens, out.lengths,
                                           strict=False):
         assert printed_text == text + tok.decode(row[:n]) + "\n"
+
+
+def test_cem_sample_says_when_it_decodes_past_the_trained_window(make_run, capsys):
+    run_dir, cfg, _ = make_run(**CEM)
+    argv = ["--run", str(run_dir), "--temperature", "0", "--no-stop-at-eos"]
+    assert cli_sample.main([*argv, "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().err == ""  # 1 EOS + 4 tokens: inside the 16-token window
+    assert cli_sample.main([*argv, "--max-new-tokens", "20"]) == 0
+    err = capsys.readouterr().err
+    assert err == (f"cem-sample: note: the longest prompt and its continuation make 21 tokens, "
+                   f"past the {cfg.data.seq_len}-token windows the model was trained on "
+                   f"(data.seq_len): the text past them may lose coherence\n")
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "huggingface"])
@@ -60,7 +75,7 @@ def test_cem_eval_on_a_text_file(make_run, tmp_path, capsys, kind):
     assert result["perplexity"] == pytest.approx(math.exp(want), rel=1e-5)
     assert result["bits_per_byte"] == pytest.approx(
         want * (len(ids) - 1) / len(text.encode()) / math.log(2), rel=1e-5)
-    assert evaluate.main(["--run", str(run_dir), "--text", str(tmp_path / "doc.txt"),
+    assert cli_evaluate.main(["--run", str(run_dir), "--text", str(tmp_path / "doc.txt"),
                           "--no-progress"]) == 0
     assert f"loss {result['loss']:.4f} nats/token" in capsys.readouterr().out
 
@@ -69,9 +84,9 @@ def test_cem_eval_offers_its_own_option_for_invalid_utf8(make_run, tmp_path, cap
     run_dir = make_run(**CEM)[0]
     (tmp_path / "bad.txt").write_bytes(b"The king \xff doth speak.\n")
     argv = ["--run", str(run_dir), "--text", str(tmp_path / "bad.txt"), "--no-progress"]
-    assert evaluate.main(argv) == 2  # the text as given: exit status 2
+    assert cli_evaluate.main(argv) == 2  # the text as given: exit status 2
     assert "(--allow-invalid-utf8 of cem-data and cem-eval)" in capsys.readouterr().err
-    assert evaluate.main([*argv, "--allow-invalid-utf8"]) == 0
+    assert cli_evaluate.main([*argv, "--allow-invalid-utf8"]) == 0
     replaced = len("The king \ufffd doth speak.\n".encode())  # \xff read as U+FFFD
     assert f" tokens, {replaced} bytes)" in capsys.readouterr().out
 
@@ -99,19 +114,20 @@ def test_steps_n_at_test_time_equals_a_model_configured_with_n_steps(make_run, c
     at1 = evaluate.evaluate_run(load_run(one), progress=False)
     assert abs(at1["loss"] - want["loss"]) > 1e-3  # the step count matters
 
-    assert evaluate.main(["--run", str(one), "--steps", "2", "--no-progress"]) == 0
+    assert cli_evaluate.main(["--run", str(one), "--steps", "2", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "validation at step 2 with 2 CEM steps per sub-layer: " in printed
     assert f"loss {want['loss']:.4f} nats/token" in printed
     greedy = ["--temperature", "0", "--max-new-tokens", "8", "--prompt", "The king"]
-    assert sample.main(["--run", str(two), *greedy]) == 0
+    assert cli_sample.main(["--run", str(two), *greedy]) == 0
     text2 = capsys.readouterr().out
-    assert sample.main(["--run", str(one), "--steps", "2", *greedy]) == 0
+    assert cli_sample.main(["--run", str(one), "--steps", "2", *greedy]) == 0
     assert capsys.readouterr().out == text2
     assert {p: p.read_bytes() for p in one.rglob("*") if p.is_file()} == files  # untouched
 
 
-@pytest.mark.parametrize("main", [evaluate.main, sample.main], ids=["cem-eval", "cem-sample"])
+@pytest.mark.parametrize("main", [cli_evaluate.main, cli_sample.main],
+                         ids=["cem-eval", "cem-sample"])
 def test_steps_must_be_a_positive_integer(main, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--run", "unused", "--steps", "0"])
@@ -119,9 +135,8 @@ def test_steps_must_be_a_positive_integer(main, capsys):
     assert "argument --steps: '0' is not a positive integer" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("main", [commands.evaluate, commands.sample, evaluate.main, sample.main,
-                                  cli.main],
-                         ids=["cem-eval", "cem-sample", "eval.main", "sample.main", "cem-export"])
+@pytest.mark.parametrize("main", [cli_evaluate.main, cli_sample.main, cli.main],
+                         ids=["cem-eval", "cem-sample", "cem-export"])
 def test_a_missing_run_directory_is_one_line_and_status_2(main, tmp_path, capsys):
     """A run directory that is not one is the user's to fix (2), not a crash to retry (1)."""
     args = ["--run", str(tmp_path / "nope")]

@@ -11,11 +11,11 @@ import pytest
 from decode_helpers import tiny_config
 from helpers import random_params
 
+from cem_jax.cli.sample import main as sample_main
 from cem_jax.data import train_tokenizer
 from cem_jax.memory import DoesNotFit, device_memory_bytes
 from cem_jax.rundir import write_run
 from cem_jax.sample import SamplingConfig, generate
-from cem_jax.sample import main as sample_main
 from cem_jax.train_config import config_from_dict
 
 

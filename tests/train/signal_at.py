@@ -5,14 +5,14 @@ run, deterministically (not by timing):
 
 The signal (SIGINT or SIGTERM; `xN`: N times in a row) is sent once the run reaches POINT:
 
-    import      JAX is being imported (`cem_jax.train.main` catches signals before that)
+    import      JAX is being imported (`cem_jax.cli.train.main` catches signals before that)
     documents   the first text document has been read (by the tokenizer's training when the
                 run trains one, else by the tokenization of the training split)
     peak-flops  the peak-FLOPs probe starts (`cem_jax.train.metrics.measure_matmul_peak`)
     first-step  the first train step is called (its compilation)
     eval-K      the K-th validation of this process has evaluated its first batch
 
-Then it exits with `cem_jax.train.main`'s status.
+Then it exits with `cem_jax.cli.train.main`'s status.
 """
 
 import importlib.abc
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
     point, sig, *args = argv
     name, _, times = sig.partition("x")
     arm(point, send(int(times or 1), getattr(signal, name)))
-    from cem_jax.train import main as cem_train
+    from cem_jax.cli.train import main as cem_train
 
     return cem_train(args)
 

@@ -243,8 +243,8 @@ def test_a_storage_failure_is_one_line_and_status_1_in_the_other_commands(
 
     import cem_jax.data
     import cem_jax.rundir
-    from cem_jax import evaluate, sample
-    from cem_jax.export import cli
+    from cem_jax.cli import evaluate, sample
+    from cem_jax.cli import export as cli
 
     failure = _storage_failures(monkeypatch)[kind]
 

@@ -109,17 +109,17 @@ def test_a_fresh_process_reads_a_run_on_a_bucket(tiny_overrides, gcs_bucket, tmp
     read = json.loads(loaded.stdout.strip().splitlines()[-1])
     assert read["step"] == 3 and read["embed"] > 0
     assert read["sha"] == _local_tokenizer_sha(tiny_overrides)
-    evaluated = subprocess.run([sys.executable, "-m", "cem_jax.evaluate", "--run", run_dir,
+    evaluated = subprocess.run([sys.executable, "-m", "cem_jax.cli.evaluate", "--run", run_dir,
                                 "--no-progress"], cwd=REPO, capture_output=True, text=True,
                                timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert f"{logged['loss']:.4f}" in evaluated.stdout  # the loss the run logged at its end
-    sampled = subprocess.run([sys.executable, "-m", "cem_jax.sample", "--run", run_dir,
+    sampled = subprocess.run([sys.executable, "-m", "cem_jax.cli.sample", "--run", run_dir,
                               "--max-new-tokens", "8", "--prompt", "the king"], cwd=REPO,
                              capture_output=True, text=True, timeout=300)
     assert sampled.returncode == 0 and "the king" in sampled.stdout, sampled.stderr[-3000:]
     out = tmp_path / "export"
-    exported = subprocess.run([sys.executable, "-c", "import sys; from cem_jax.export.cli "
+    exported = subprocess.run([sys.executable, "-c", "import sys; from cem_jax.cli.export "
                                "import main; sys.exit(main())", "--run", run_dir, "--format",
                                "safetensors", "--out", str(out)], cwd=REPO,
                               capture_output=True, text=True, timeout=300)
@@ -164,7 +164,7 @@ def test_cem_compare_and_cem_study_train_into_a_runs_dir_on_a_bucket(tiny_overri
     """`train_one` (cem-compare's and cem-study's runner) with a runs directory on the bucket:
     the run trains there, its log and wall-time book land beside it, and a second call reuses
     the finished run instead of training it again."""
-    from cem_jax.compare_runs import RunSpec, train_one
+    from cem_jax.compare.runs import RunSpec, train_one
 
     config = REPO / "configs" / "shakespeare_cem.yaml"
     spec = RunSpec.make("cem", str(config), 3, 0, 3, f"{gcs_bucket}/study", tiny_overrides)
@@ -227,7 +227,7 @@ def test_gcs_is_read_as_gs_and_an_export_to_a_url_is_refused(tiny_overrides, gcs
                        f"run.dir=gcs://{name}/runs/g"])
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert complete_steps(f"{gcs_bucket}/runs/g/checkpoints") == [2]
-    exported = subprocess.run([sys.executable, "-c", "import sys; from cem_jax.export.cli "
+    exported = subprocess.run([sys.executable, "-c", "import sys; from cem_jax.cli.export "
                                "import main; sys.exit(main())", "--run", f"{gcs_bucket}/runs/g",
                                "--format", "safetensors", "--out", f"{gcs_bucket}/export"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=300)

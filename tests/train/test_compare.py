@@ -2,7 +2,7 @@
 budget gives, and end to end on two tiny configs with two seeds: mean ± sd and paired
 differences from the runs' own metrics, the out-of-domain column from `evaluate_run`, parameter
 counts equal to `count_params`, the descent and test-time recursion sections, valid PNGs, and a
-rerun that neither retrains nor re-evaluates; bad arguments refused before any training."""
+rerun that neither retrains nor re-evaluates. Its arguments: tests/cli/test_compare_arguments.py."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ import pytest
 from flax import nnx
 from train_helpers import REPO
 
-from cem_jax.compare import budget_steps, main
-from cem_jax.compare_runs import RunSpec, train_one
+from cem_jax.cli.compare import main
+from cem_jax.compare.plan import budget_steps
+from cem_jax.compare.runs import RunSpec, train_one
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run
 from cem_jax.model import CEMTransformer, count_params
 from cem_jax.rundir import load_run
@@ -97,7 +98,7 @@ def test_the_flops_budget_passes_each_run_its_steps(tiny_overrides, tmp_path, mo
         calls.append(argv)
         return 1
 
-    monkeypatch.setattr("cem_jax.compare_runs.train_process", fake_train)
+    monkeypatch.setattr("cem_jax.compare.runs.train_process", fake_train)
     configs = {"llama": "model:\n  tie_attention: false\n  tie_mlp: false\n",
                "steps2": "model:\n  steps: 2\n", "dplr": "model:\n  interaction: dplr\n"}
     for name, text in configs.items():
@@ -128,7 +129,7 @@ def test_a_run_killed_mid_write_is_a_failed_row(tiny_overrides, tmp_path, monkey
                                                '{"step": 2, "ki')
         return -9
 
-    monkeypatch.setattr("cem_jax.compare_runs.train_process", killed_train)
+    monkeypatch.setattr("cem_jax.compare.runs.train_process", killed_train)
     (tmp_path / "llama.yaml").write_text("model:\n  tie_attention: false\n  tie_mlp: false\n")
     argv = ["--configs", str(tmp_path / "llama.yaml"), "--steps", "4", "--seeds", "0",
             "--out", str(tmp_path / "r.md"), "--runs-dir", str(tmp_path / "runs"),
@@ -251,7 +252,7 @@ def test_a_run_stopped_by_a_signal_ends_the_comparison_without_a_report(
         calls.append(argv)
         return 75
 
-    monkeypatch.setattr("cem_jax.compare_runs.train_process", stopped_train)
+    monkeypatch.setattr("cem_jax.compare.runs.train_process", stopped_train)
     (tmp_path / "a.yaml").write_text("model:\n  preconditioner: none\n")
     (tmp_path / "b.yaml").write_text("model:\n  preconditioner: diag\n")
     argv = ["--configs", str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"), "--steps", "4",
@@ -274,7 +275,7 @@ def test_a_signal_stops_the_comparison_once_its_run_has_saved(tiny_overrides, tm
     config = tmp_path / "tiny.yaml"
     config.write_text("model:\n  preconditioner: none\n")
     out, run_dir = tmp_path / "r.md", tmp_path / "runs" / "tiny" / "steps200_seed0"
-    argv = [sys.executable, "-m", "cem_jax.compare", "--configs", str(config), "--steps", "200",
+    argv = [sys.executable, "-m", "cem_jax.cli.compare", "--configs", str(config), "--steps", "200",
             "--eval-every", "100", "--out", str(out), "--runs-dir", str(tmp_path / "runs"),
             "--ood", "none", "--descent-batches", "0", *tiny_overrides, "run.sample_tokens=0",
             "run.peak_flops=1e12"]
@@ -312,57 +313,3 @@ def test_a_run_without_validation_counts_as_finished(tiny_overrides, tmp_path, c
     assert "training no_val" in capsys.readouterr().out
     assert main(argv) == 0  # reused: not trained again
     assert "training" not in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("flag", ["--steps", "--eval-every"])
-@pytest.mark.parametrize("value", ["0", "-2", "many"])
-def test_steps_and_eval_every_must_be_positive(flag, value, tmp_path, capsys):
-    argv = ["--configs", "c.yaml", "--steps", "4", flag, value, "--out", str(tmp_path / "r.md")]
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    assert f"argument {flag}: {value!r} is not a positive integer" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--seeds", "0,x"], "argument --seeds: '0,x' is not a comma-separated list of distinct"),
-    (["--seeds", "1,1"], "argument --seeds: '1,1' is not a comma-separated list of distinct"),
-    (["--budget", "time"], "argument --budget: 'time': give steps, flops or steps,flops"),
-    (["--baseline", "other.yaml"], "--baseline other.yaml is not one of --configs"),
-    (["--recursion-configs", "c", "nope"], "--recursion-configs nope is not one of --configs"),
-    (["--recursion-steps", "0,1"], "--recursion-steps: a sub-layer takes at least 1 step"),
-])
-def test_bad_seeds_budgets_and_config_names_are_refused(args, message, tmp_path, capsys):
-    argv = ["--configs", "c.yaml", "--steps", "4", *args, "--out", str(tmp_path / "r.md")]
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("out", ["docs", "file/results.md", "read-only/results.md"])
-def test_an_unwritable_out_is_refused_before_any_training(out, tmp_path, capsys, monkeypatch):
-    (tmp_path / "docs").mkdir()
-    # a folder without write permission (faked: the tests may run as root, who may write anywhere)
-    monkeypatch.setattr("os.access", lambda path, mode: "read-only" not in str(path))
-    (tmp_path / "file").write_text("not a folder\n")
-    config = tmp_path / "tiny.yaml"
-    config.write_text("model:\n  preconditioner: none\n")
-    argv = ["--configs", str(config), "--steps", "4", "--out", str(tmp_path / out),
-            "--runs-dir", str(tmp_path / "runs")]
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    expected = {"docs": "is a directory: give the Markdown file to write",
-                "file/results.md": f"cannot create {tmp_path / 'file'}, the folder of --out",
-                "read-only/results.md": f"cannot write in {tmp_path / 'read-only'}, the folder"}
-    assert "cem-compare: error: " in err and expected[out] in err
-    assert not (tmp_path / "runs").exists()
-
-
-def test_help_describes_the_command_in_whole_sentences(capsys):
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    help_text = " ".join(capsys.readouterr().out.split())
-    assert "with a PNG of their validation curves beside it; " in help_text

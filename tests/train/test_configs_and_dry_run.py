@@ -13,8 +13,9 @@ import pytest
 from flax import nnx
 from train_helpers import REPO, run_cli
 
+from cem_jax.cli.train import main
 from cem_jax.model import CEMTransformer, count_params
-from cem_jax.train import load_config, main, train
+from cem_jax.train import load_config, train
 from cem_jax.train.dry_run import dry_run
 from cem_jax.train.sizing import check_batch_split, check_expected_params
 

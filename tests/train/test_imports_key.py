@@ -13,7 +13,7 @@ import pytest
 import yaml
 from train_helpers import REPO, run_cli
 
-from cem_jax.train import main
+from cem_jax.cli.train import main
 
 HERE = Path(__file__).parent
 
@@ -35,7 +35,7 @@ def test_a_registered_activation_trains_and_loads_in_a_fresh_process(tiny_overri
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["imports"] == ["plugin_logcosh"] and saved["model"]["activation"] == "logcosh"
 
-    sample = subprocess.run([sys.executable, "-m", "cem_jax.sample", "--run", str(run_dir),
+    sample = subprocess.run([sys.executable, "-m", "cem_jax.cli.sample", "--run", str(run_dir),
                              "--max-new-tokens", "5", "--temperature", "0"], cwd=REPO,
                             capture_output=True, text=True, timeout=300,
                             env={**os.environ, **_env()})
@@ -43,7 +43,7 @@ def test_a_registered_activation_trains_and_loads_in_a_fresh_process(tiny_overri
     assert sample.stdout.strip()
 
     # without the module on the path, the run's config names what nothing registered
-    sample = subprocess.run([sys.executable, "-m", "cem_jax.sample", "--run", str(run_dir)],
+    sample = subprocess.run([sys.executable, "-m", "cem_jax.cli.sample", "--run", str(run_dir)],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert sample.returncode == 2  # a config that cannot be read as it is: not a crash
     assert "imports: module 'plugin_logcosh' cannot be imported" in sample.stderr

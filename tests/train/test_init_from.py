@@ -13,10 +13,11 @@ from flax import nnx
 from train_helpers import train_losses
 
 from cem_jax import CEMTransformer, MeshConfig, ModelConfig, OptimizerConfig
+from cem_jax.cli.train import main
 from cem_jax.data import load_tokenizer, make_train_iterator, train_tokenizer
 from cem_jax.rundir import load_run
 from cem_jax.sharding import global_batch, make_mesh
-from cem_jax.train import load_config, main, train
+from cem_jax.train import load_config, train
 from cem_jax.train.step import Trainer
 
 

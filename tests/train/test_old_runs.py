@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from train_helpers import train_losses
 
-from cem_jax.export.cli import main as export_main
+from cem_jax.cli.export import main as export_main
+from cem_jax.cli.sample import main as sample_main
+from cem_jax.cli.train import main
 from cem_jax.rundir import load_run
-from cem_jax.sample import main as sample_main
-from cem_jax.train import main
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "run_6542a6f"
 STEP_3_LOSS = 5.746387481689453  # what commit 6542a6f logged resuming this run

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from cem_jax.train import main
+from cem_jax.cli.train import main
 
 
 @pytest.mark.slow

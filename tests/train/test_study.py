@@ -18,7 +18,8 @@ import scipy.stats
 import yaml
 from train_helpers import REPO
 
-from cem_jax.compare_report import step_flops
+from cem_jax.cli.study import main
+from cem_jax.compare.report import step_flops
 from cem_jax.stats import (
     equivalence_margin,
     holm,
@@ -27,7 +28,6 @@ from cem_jax.stats import (
     verdict,
 )
 from cem_jax.study.analysis import diverged, spike_steps, spikes
-from cem_jax.study.cli import main
 from cem_jax.study.figures import colours
 from cem_jax.study.plan import RunKey, load_study, plan, rate_text
 from cem_jax.study.records import run_spec
@@ -467,9 +467,9 @@ def test_a_record_another_study_made_or_a_broken_one_is_refused(study_file: Path
     path.write_text(json.dumps({**rec, "cem_train_args": args}))
     assert main([str(study_file), "--report-only"]) == 2
     assert capsys.readouterr().err == (
-        f"cem-study: {path} was made by another study (cem-train arguments only in the record: "
-        "optimizer.lr=0.02; only in the study now: optimizer.lr=0.01): move the file out of "
-        f"{records} to train the run again, or restore the study\n")
+        f"cem-study: error: {path} was made by another study (cem-train arguments only in the "
+        "record: optimizer.lr=0.02; only in the study now: optimizer.lr=0.01): move the file out "
+        f"of {records} to train the run again, or restore the study\n")
     path.write_text(json.dumps(rec)[:100])  # a torn file
     assert main([str(study_file), "--report-only"]) == 2
     assert f"{path} is not a run's record (JSONDecodeError" in capsys.readouterr().err
@@ -523,15 +523,15 @@ def test_a_bad_study_file_is_one_line_naming_the_field(study_file: Path, capsys,
     study_file.write_text(yaml.safe_dump(spec, sort_keys=False))
     assert main([str(study_file), "--report-only"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"cem-study: {study_file}: ") and message in err
+    assert err.startswith(f"cem-study: error: {study_file}: ") and message in err
     assert err.count("\n") == 1
     study_file.write_text("margin: [0.05\n")
     assert main([str(study_file)]) == 2
     err = capsys.readouterr().err
     assert f"{study_file} is not YAML (" in err and err.count("\n") == 1
     assert main([str(study_file.parent / "nope.yaml")]) == 2
-    assert capsys.readouterr().err == (f"cem-study: {study_file.parent / 'nope.yaml'} does not "
-                                       "exist: give the study's YAML file, e.g. "
+    assert capsys.readouterr().err == (f"cem-study: error: {study_file.parent / 'nope.yaml'} "
+                                       "does not exist: give the study's YAML file, e.g. "
                                        "docs/study/study.yaml\n")
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import yaml
 from train_helpers import REPO
 
+from cem_jax.cli import study as cli
 from cem_jax.data import find_tokenizer, load_tokenizer
 from cem_jax.data.shards import read_manifest
-from cem_jax.study import cli, records
+from cem_jax.study import records
 from cem_jax.study.analysis import Results
 from cem_jax.study.plan import RunKey, load_study, plan
 from cem_jax.study.records import dirty_tree, record_path, run_spec, train_and_record
@@ -95,7 +96,7 @@ def test_uncommitted_changes_to_tracked_files_refuse_to_record(tmp_path, monkeyp
     monkeypatch.setattr(records, "dirty_tree", lambda outputs: dirty_tree(tmp_path, outputs))
     assert cli.main([str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("cem-study: cannot record runs: 2 tracked files differ") and \
+    assert err.startswith("cem-study: error: cannot record runs: 2 tracked files differ") and \
         err.count("\n") == 1
     assert not list((tmp_path / "study" / "records").iterdir())
     assert cli.main([str(path), "--report-only"]) == 0  # a report needs no clean tree

@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from train_helpers import REPO
 
-from cem_jax.train import load_config, main
+from cem_jax.cli.train import main
+from cem_jax.train import load_config
 from cem_jax.train.dry_run import dry_run
 from cem_jax.train.targets import parse_target
 

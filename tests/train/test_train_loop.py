@@ -19,10 +19,11 @@ import pytest
 from train_helpers import run_cli
 
 from cem_jax.checkpoint import Checkpointer, drop_failure_echoes
+from cem_jax.cli.train import main
 from cem_jax.config import ModelConfig
 from cem_jax.optim import decay_mask, learning_rate
 from cem_jax.sharding import global_batch, make_mesh
-from cem_jax.train import load_config, main, metrics, train
+from cem_jax.train import load_config, metrics, train
 from cem_jax.train.metrics import flops_per_token
 from cem_jax.train.step import Trainer
 from cem_jax.train_config import MeshConfig, OptimizerConfig

@@ -26,8 +26,9 @@ from cem_jax.config import ModelConfig
 from cem_jax.kinds import Context, Kind, Param, check_kind, get_kind, register_kind
 from cem_jax.layers import SubLayer
 from cem_jax.model import init_cache
+from cem_jax.numerics import rms_norm
 from cem_jax.train import load_config, train
-from cem_jax.updates import Mixer, rms_norm
+from cem_jax.updates import Mixer
 
 HERE = Path(__file__).parent
 
@@ -91,13 +92,13 @@ def test_cem_train_trains_resumes_and_a_fresh_process_samples(tiny_overrides, tm
         cwd=REPO, capture_output=True, text=True, timeout=300, env=_env())
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.split() == ["logcosh_pull", "(2,", "32,", "64)"]
-    sample = subprocess.run([sys.executable, "-m", "cem_jax.sample", "--run", str(run_dir),
+    sample = subprocess.run([sys.executable, "-m", "cem_jax.cli.sample", "--run", str(run_dir),
                              "--max-new-tokens", "5", "--temperature", "0"], cwd=REPO,
                             capture_output=True, text=True, timeout=300, env=_env())
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.strip()
     export = subprocess.run(
-        [sys.executable, "-c", "import sys; from cem_jax.export.cli import main; sys.exit(main())",
+        [sys.executable, "-c", "import sys; from cem_jax.cli.export import main; sys.exit(main())",
          "--run", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")], cwd=REPO,
         capture_output=True, text=True, timeout=300, env=_env())
     assert export.returncode == 2

@@ -12,7 +12,8 @@ import faults
 import pytest
 import yaml
 
-from cem_jax.train import load_config, main, train
+from cem_jax.cli.train import main
+from cem_jax.train import load_config, train
 from cem_jax.train.metrics import MetricsWriter, logged_records
 
 

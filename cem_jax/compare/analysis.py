@@ -1,22 +1,47 @@
-"""The evaluations of a finished run of `cem-compare` (`cem_jax.compare`), from its checkpoint in
-this process, each computed once and cached in RUN_DIR/analysis.json (`AnalysisCache`): bits per
-byte on an out-of-domain text, the energy descent statistics and learned preconditioners of its
-CEM layers, and test-time recursion (`analyze`).
+"""The evaluations of a comparison's finished runs, from their checkpoints in this process, each
+computed once and cached in RUN_DIR/analysis.json (`AnalysisCache`): bits per byte on an
+out-of-domain text, the energy descent statistics and learned preconditioners of a run's CEM
+layers, and test-time recursion (`analyze`; every run of a comparison: `analyze_all`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
+from cem_jax import exits
+from cem_jax.compare.plan import tied
+from cem_jax.compare.runs import Key, RunSpec
 from cem_jax.data import files, make_eval_batches
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run
 from cem_jax.monitor import descent_statistics, preconditioner_stats
 from cem_jax.rundir import Run, load_run
 from cem_jax.train_config import TrainConfig
+
+
+def analyze_all(results: Mapping[Key, dict], runs: Mapping[Key, RunSpec],
+                first: Mapping[str, int], *, ood: str, descent_batches: int,
+                recursion_stems: Collection[str], recursion: Sequence[int]) -> bool:
+    """`analyze` each finished run into its row of `results` (`runs` holds their specs): the
+    energy descent (of the configs with a tied sub-layer) and the test-time recursion (of the
+    configs of `recursion_stems`) only for the runs of the first table, whose plan is `first`
+    ({stem: steps}). Returns False when a signal came first (the rows after it are left as
+    they are), else True."""
+    for key, row in results.items():
+        if exits.received() is not None:
+            return False
+        if not row["ok"]:
+            continue
+        stem, steps, _ = key
+        cfg = runs[key].cfg
+        of_first = first.get(stem) == steps
+        analyze(row, cfg, ood=ood,
+                descent_batches=descent_batches if of_first and tied(cfg.model) else 0,
+                recursion=recursion if of_first and stem in recursion_stems else ())
+    return True
 
 
 def analyze(row: dict, cfg: TrainConfig, *, ood: str, descent_batches: int,

@@ -1,12 +1,8 @@
-"""Tokenizers of two kinds behind one API (`Tokenizer`): sentencepiece models (`.model`,
-`tokenizer_sentencepiece`; trained here by `tokenizer_training.train_tokenizer` or given) and
-Hugging Face `tokenizer.json` files (`tokenizer_hf`: the `tokenizers` library's byte-level BPE of
-the GPT-2 / Llama 3 kind, converted sentencepiece models, ...). `tokenizer_loading.load_tokenizer`
-tells them apart by content (a JSON object is a tokenizer.json).
-
-This module holds the API, the files a tokenizer is saved in (`FILE_NAMES`, `CONFIG_FILE`,
-`saved_names`, `find_tokenizer`) and the check of a tokenizer against a model's vocabulary
-(`check_fits`).
+"""The `Tokenizer` API, which every kind of tokenizer of the table `cem_jax.data.tokenizers`
+holds implements: encoding, decoding, its special ids and vocabulary size, its identity
+(`sha256`), and the files it is saved as and read back from (`files`, `save`, `from_files`).
+It is a module of its own, re-exported by the package, because the package names the kinds,
+which subclass it, in its table.
 
 Special tokens. The packed pipeline separates documents with EOS (and cem-sample starts a
 prompt with it); BOS is reserved (unused by the pipeline); PAD fills evaluation rows (EOS when
@@ -14,7 +10,7 @@ the tokenizer has none). A sentencepiece model's are its own control pieces. A t
 are named by a `tokenizer_config.json` beside it when present (`eos_token`, `bos_token`,
 `pad_token`: strings or {"content": ...} objects, as transformers writes them; a key given as
 null means none), otherwise found among its special added tokens by the names models use
-(`tokenizer_hf.EOS_TOKENS`, `BOS_TOKENS`, `PAD_TOKENS`); EOS is required. Text is never read as
+(`huggingface.EOS_TOKENS`, `BOS_TOKENS`, `PAD_TOKENS`); EOS is required. Text is never read as
 a special token: a literal "</s>" or "<|endoftext|>" in a document or prompt is encoded as its
 characters (sentencepiece never matches control pieces in text; for a tokenizer.json the
 `tokenizers` library is told not to, `encode_special_tokens`), and special ids decode to
@@ -28,26 +24,20 @@ be smaller (`check_fits`).
 from __future__ import annotations
 
 import abc
-import math
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from cem_jax.data import files
 
-# The file a run directory (or a Hugging Face model directory) holds its tokenizer in, by kind,
-# in the order `find_tokenizer` looks for them.
-FILE_NAMES = {"sentencepiece": "tokenizer.model", "huggingface": "tokenizer.json"}
-CONFIG_FILE = "tokenizer_config.json"  # beside a tokenizer.json: its special tokens
-
 
 class Tokenizer(abc.ABC):
     """A tokenizer as the pipeline, sampling and export use it. Ids are int; `encode` gives a
     list, `decode` takes any int sequence of ids in [0, vocab_size).
 
-    Attributes:
+    Attributes (`kind` and `file_name` are the class's, which a row of the package's table names):
       kind: "sentencepiece" or "huggingface".
       file_name: its name in a run directory, "tokenizer.model" or "tokenizer.json".
       data: the bytes of that file (what `save` writes there, and checkpoints carry).
@@ -66,6 +56,13 @@ class Tokenizer(abc.ABC):
     pad_id: int
     unk_id: int | None
     sha256: str
+
+    @classmethod
+    @abc.abstractmethod
+    def from_files(cls, contents: Mapping[str, bytes], source: str) -> Tokenizer:
+        """The tokenizer whose `files()` are `contents` ({name: bytes}: its `file_name`, and the
+        files saved beside it that exist); `source` names its file in errors. Raises ValueError
+        when they are not a tokenizer of this kind (the message names `source`)."""
 
     def encode(self, text: str) -> list[int]:
         """Text → token ids (no BOS/EOS added)."""
@@ -108,34 +105,3 @@ class Tokenizer(abc.ABC):
             files.write_bytes(target, content)
         return str(path) if files.is_url(str(path)) else Path(files.local(str(path)))
 
-
-def check_fits(tokenizer: Tokenizer, model_vocab_size: int, source: str) -> None:
-    """Raise ValueError unless a model of `model_vocab_size` ids holds every id of `tokenizer`
-    (`source` names the tokenizer in the message, which names both sizes and the fix)."""
-    if tokenizer.vocab_size > model_vocab_size:
-        padded = math.ceil(tokenizer.vocab_size / 128) * 128
-        raise ValueError(f"tokenizer {source} has {tokenizer.vocab_size} ids, more than the "
-                         f"model's vocabulary (model.vocab_size = {model_vocab_size}): set "
-                         f"model.vocab_size to at least {tokenizer.vocab_size} (e.g. {padded}, "
-                         f"a multiple of 128), or use a tokenizer of at most {model_vocab_size} "
-                         f"ids")
-
-
-def find_tokenizer(directory: str | Path) -> str:
-    """The path of the tokenizer file of `directory` (a run directory, or a Hugging Face model
-    directory; local or a URL): its tokenizer.model, else its tokenizer.json. Raises
-    FileNotFoundError when it has neither, or is no directory."""
-    directory = files.local(str(directory))
-    if not files.is_dir(directory):
-        raise FileNotFoundError(f"{directory} is not a directory")
-    for name in FILE_NAMES.values():
-        if files.is_file(files.join(directory, name)):
-            return files.join(directory, name)
-    raise FileNotFoundError(f"{directory} has no tokenizer file ({' or '.join(FILE_NAMES.values())}"
-                            f"): it needs the tokenizer its model was trained with")
-
-
-def saved_names(file_name: str) -> tuple[str, ...]:
-    """The names of the files a tokenizer whose `file_name` is this writes (`Tokenizer.files`):
-    a tokenizer.json's tokenizer_config.json too."""
-    return (file_name, CONFIG_FILE) if file_name == FILE_NAMES["huggingface"] else (file_name,)

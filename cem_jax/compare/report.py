@@ -1,4 +1,4 @@
-"""The report of `cem-compare` (`cem_jax.compare`): the Markdown tables (validation bits per byte
+"""The report of a comparison (`cem-compare`): the Markdown tables (validation bits per byte
 by budget with paired 95% t-intervals to the baseline, parameters by part, energy descent and
 learned preconditioners, test-time recursion) and the PNGs beside them (validation curves,
 descent heatmaps)."""
@@ -50,8 +50,9 @@ def figure_names(budgets: Sequence[str]) -> list[str]:
 @dataclasses.dataclass
 class Report:
     """Everything `cem-compare` writes: `results[(stem, steps, seed)]` are the rows of
-    `cem_jax.compare_runs.train_one` with `cem_jax.compare_analysis.analyze`'s additions;
-    `plans[budget]` maps each config of a table to its steps."""
+    `cem_jax.compare.runs.train_one` with `cem_jax.compare.analysis.analyze`'s additions;
+    `plans[budget]` maps each config of a table to its steps
+    (`cem_jax.compare.plan.plan_tables`)."""
 
     command: str
     cfgs: dict[str, TrainConfig]

@@ -14,6 +14,11 @@ SIGINT before its last step (relaunch to resume).
 Messages go through `logging` (the "cem_jax" loggers; `cem-train` prints them on stdout, from
 process 0 only, warnings from every process, prefixed with the process index in multi-host
 runs).
+
+The arguments are parsed before JAX is imported (`--help` and a usage error, status 2, answer
+at once), so the training stack is imported inside the functions that run it; SIGINT and
+SIGTERM are caught from the start: one that comes while JAX is imported stops the run right
+after the imports.
 """
 
 from __future__ import annotations
@@ -24,24 +29,16 @@ import posixpath
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-
-import jax
+from typing import TYPE_CHECKING
 
 from cem_jax import exits
-from cem_jax.arguments import parse_train_args
-from cem_jax.checkpoint import CheckpointError, complete_steps
+from cem_jax.cli.arguments import parse_train_args
 from cem_jax.data import files
-from cem_jax.data.shakespeare import FetchError
 from cem_jax.data.storage_errors import storage_error
-from cem_jax.data.tokenizer import FILE_NAMES
 from cem_jax.exits import ExitStatus, StoppedBySignal
-from cem_jax.memory import is_out_of_memory
-from cem_jax.train.dry_run import dry_run
-from cem_jax.train.lock import RunDirInUse
-from cem_jax.train.logs import log_to_stdout
-from cem_jax.train.loop import TrainingDiverged
-from cem_jax.train.run import train
-from cem_jax.train_config import TrainConfig, load_config
+
+if TYPE_CHECKING:
+    from cem_jax.train_config import TrainConfig
 
 # OSErrors that say the run cannot go on as configured (a missing or unreadable file, a full
 # disk; one without errno is one of our own messages); any other (EIO, ENOTCONN: a lost mount)
@@ -58,13 +55,18 @@ _DISK_FULL_ADVICE = {errno.ENOSPC: "free space there or give another run.dir",
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `cem-train`; returns its exit status (`ExitStatus`: 0 finished, 1 crashed, 2 cannot
     run as configured, 3 diverged, 75 stopped by a signal), after one line on stderr saying why
-    it ended (a crash prints its traceback first). `cem_jax.train.main` is the same, with the
-    arguments parsed before JAX is imported."""
-    return run_command(parse_train_args(argv))
+    it ended (a crash prints its traceback first)."""
+    with exits.caught("cem-train"):
+        return run_command(parse_train_args(argv))
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """`main` on parsed arguments (`cem_jax.arguments.parse_train_args`)."""
+    """`main` on parsed arguments (`cem_jax.cli.arguments.parse_train_args`)."""
+    from cem_jax.train.dry_run import dry_run
+    from cem_jax.train.logs import log_to_stdout
+    from cem_jax.train.run import train
+    from cem_jax.train_config import load_config
+
     log_to_stdout()
     try:
         cfg = load_config(args.config, args.overrides)
@@ -95,6 +97,14 @@ def _failed(err: Exception, run_dir: str) -> int:
     """Print cem-train's last line for the error that ended it (a crash: its traceback first,
     except a storage failure, `storage_error`: that line alone); returns the exit status
     (`ExitStatus`)."""
+    import jax
+
+    from cem_jax.checkpoint import CheckpointError, complete_steps
+    from cem_jax.data.shakespeare import FetchError
+    from cem_jax.memory import is_out_of_memory
+    from cem_jax.train.lock import RunDirInUse
+    from cem_jax.train.loop import TrainingDiverged
+
     if isinstance(err, TrainingDiverged):
         return exits.report(ExitStatus.DIVERGED, f"diverged: {err}")
     if isinstance(err, OSError) and err.errno in _DISK_FULL_ADVICE:
@@ -124,6 +134,8 @@ def check_config_location(config: str | None, overrides: Sequence[str],
     """A config read from inside a run directory (a config.yaml beside that run's checkpoints,
     tokenizer or metrics) trains that directory: ValueError when it names another run.dir (the
     run was moved or copied) and no `run.dir=` override says which one is meant."""
+    from cem_jax.data.tokenizers import FILE_NAMES
+
     if config is None or any(o.startswith("run.dir=") for o in overrides):
         return
     path = files.local(config)

@@ -1,8 +1,9 @@
-"""The runs of `cem-compare` (`cem_jax.compare`): each config trained for its steps with one seed
+"""The runs of a comparison (and of the study): each config trained for its steps with one seed
 (`RunSpec`) in its own `python -m cem_jax.train` process, in RUNS_DIR/<config stem>/steps<N>_seed<s>
-(its output in train.log there), reused when finished and resumed when not (`train_one`); a
-signal that cem-compare receives meanwhile is passed on to it (`train_process`); and what its
-metrics say (`read_metrics`).
+(its output in train.log there), reused when finished and resumed when not (`train_one`), the
+runs in order until a signal stops one (`train_all`); a signal that cem-compare receives
+meanwhile is passed on to the run in training (`train_process`); and what its metrics say
+(`read_metrics`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from cem_jax import exits
 from cem_jax.data import files
@@ -29,6 +30,7 @@ _ELSEWHERE = ("move that directory away, or train in another runs directory (cem
 # How a row's note words cem-train's exit status (`cem_jax.exits.ExitStatus`).
 _STATUS_WORDS = {1: "crashed", 2: "cannot run as configured", 3: "diverged",
                  75: "stopped by a signal: run {program} again to resume it"}
+Key = tuple[str, int, int]  # a run's (config stem, steps, seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,17 @@ def train_one(spec: RunSpec, program: str = "cem-compare") -> dict:
     row.update(read_metrics(run_dir, cfg), wall_s=wall)
     row["ok"] = not row["note"] and _finished(run_dir, cfg)
     return row
+
+
+def train_all(runs: Mapping[Key, RunSpec]) -> tuple[dict[Key, dict], Key | None]:
+    """Train the runs in order (`train_one`): their rows by key, and the key of the run a
+    signal stopped (None when none did); the rows end with that run's."""
+    results = {}
+    for key, spec in runs.items():
+        results[key] = train_one(spec)
+        if results[key]["stopped"] or exits.received() is not None:
+            return results, key
+    return results, None
 
 
 def _train_logged(argv: list[str], log_path: str) -> int:

@@ -1,8 +1,8 @@
 """Readers of text and JSONL corpus files (`cem_jax.data.formats`), plain or gzip- (`.gz`) or
 zstd-compressed (`.zst`, `.zstd`), decompressed as a stream: a text file is one document, a
 JSONL file one per line (its string field `text_column`). A file's start is checked before and
-after decompression (`formats_common.check_head`, `sniff`); the byte offset of invalid UTF-8 is
-that of the decompressed data.
+after decompression (`common.check_head`, `sniff`); the byte offset of invalid UTF-8 is that of
+the decompressed data. Both are read whole (no `Part`s).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from typing import IO
 import zstandard
 
 from cem_jax.data import files
-from cem_jax.data.formats_common import (
+from cem_jax.data.formats.common import (
     ALLOW_INVALID_UTF8_HINT,
     SNIFF_BYTES,
     Document,
+    Part,
     check_head,
     compression_of,
     damaged,
@@ -34,17 +35,19 @@ from cem_jax.data.formats_common import (
 CHUNK_BYTES = 1 << 20  # read size of streams
 
 
-def text_documents(path: str, allow_invalid_utf8: bool) -> Iterator[Document]:
-    """The one document of text file `path` (see `cem_jax.data.formats.documents`)."""
+def text_documents(path: str, text_column: str, allow_invalid_utf8: bool,
+                   part: Part | None) -> Iterator[Document]:
+    """The one document of text file `path` (see `cem_jax.data.formats.documents`;
+    `text_column` and `part` are not used: the whole file is the text)."""
     with _decompressed(path, "text") as stream:
         data = stream.read()
     yield Document(path, decode(data, path, allow_invalid_utf8))
 
 
-def jsonl_documents(path: str, text_column: str,
-                    allow_invalid_utf8: bool) -> Iterator[Document]:
+def jsonl_documents(path: str, text_column: str, allow_invalid_utf8: bool,
+                    part: Part | None) -> Iterator[Document]:
     """The documents of JSONL file `path`, one per non-blank line, streamed (see
-    `cem_jax.data.formats.documents`)."""
+    `cem_jax.data.formats.documents`; `part` is not used: the file is read whole)."""
     with _decompressed(path, "jsonl") as stream:
         offset = 0
         for number, raw in enumerate(stream, 1):

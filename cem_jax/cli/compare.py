@@ -37,9 +37,9 @@ signal of its own. Run again, it reuses finished runs (and the evaluations cache
 analysis.json) and resumes unfinished ones. The overrides apply to every config. A run
 directory holding another run (model, data, optimizer, steps or seed) is refused: use another
 --runs-dir. Whatever follows the END marker in an existing output file (a reading of the
-results) is kept on rewrite. The runs are trained by `cem_jax.compare_runs` and evaluated by
-`cem_jax.compare_analysis`; the report itself (tables, intervals, figures) is written by
-`cem_jax.compare_report`.
+results) is kept on rewrite. This module parses the arguments; the comparison itself is
+`cem_jax.compare`: which runs the tables need (`plan`), their training (`runs`), their
+evaluation (`analysis`) and the report (tables, intervals, figures: `report`).
 """
 
 from __future__ import annotations
@@ -54,18 +54,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cem_jax import exits
-from cem_jax.arguments import positive_int
+from cem_jax.cli.arguments import positive_int
+from cem_jax.compare.plan import BUDGETS, default_baseline, plan_tables, run_specs
 from cem_jax.data import files
-from cem_jax.train_config import TrainConfig, load_config
+from cem_jax.train_config import load_config
 
 if TYPE_CHECKING:
-    from cem_jax.compare_runs import RunSpec
+    from cem_jax.compare.runs import Key, RunSpec
 
-# The runs, their analysis and the report import JAX: each function that needs them imports
-# them, once the arguments are parsed (`cem-compare --help` and a usage error answer at once).
-
-BUDGETS = ("steps", "flops")
-Key = tuple[str, int, int]  # a run's (config stem, steps, seed)
+# The runs, their analysis and the report import JAX: they are imported once the arguments are
+# parsed (`cem-compare --help` and a usage error answer at once).
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,8 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfgs = {stem: load_config(path, args.overrides) for stem, path in paths.items()}
         baseline = _stem(args.baseline) if args.baseline else default_baseline(cfgs)
-        plans = _plans(args, cfgs, baseline)  # budget -> {stem: steps}
-        runs = _run_specs(args, paths, plans)
+        plans = plan_tables(cfgs, baseline, args.steps, args.budget,
+                            {_stem(n) for n in args.flops_configs or cfgs})
+        runs = run_specs(plans, paths, args.seeds, args.eval_every or max(1, args.steps // 8),
+                         args.runs_dir, args.overrides)
     except (ValueError, FileNotFoundError) as err:
         print(f"cem-compare: configuration error: {err}", file=sys.stderr)
         return 2
@@ -87,12 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unwritable:
         parser.error(unwritable)
     with exits.caught("cem-compare"):
-        results, stopped = _train_all(runs)
-        if stopped is None:
-            stopped = _analyze_all(args, cfgs, plans, runs, results)
+        results, stopped = _train_and_analyze(args, plans, runs)
         if stopped is not None:
             return stopped
-    from cem_jax.compare_report import Report
+    from cem_jax.compare.report import Report
 
     report = Report(command="cem-compare " + shlex.join(argv), cfgs=cfgs, baseline=baseline,
                     seeds=args.seeds, plans=plans, results=results, ood=args.ood,
@@ -100,6 +98,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.write(args.out)
     print(f"cem-compare: wrote {args.out} and its figures")
     return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+def _train_and_analyze(args: argparse.Namespace, plans: Mapping[str, Mapping[str, int]],
+                       runs: Mapping[Key, RunSpec]) -> tuple[dict[Key, dict], int | None]:
+    """Train the runs (`train_all`), then analyze the finished ones (`analyze_all`: the
+    descent and the recursion for the first table's runs only): (their rows by key, None),
+    or, once a signal stopped it, (the rows so far, `_stopped`'s status)."""
+    from cem_jax.compare.analysis import analyze_all
+    from cem_jax.compare.runs import train_all
+
+    results, stopped = train_all(runs)
+    if stopped is not None:
+        stem, _, seed = stopped
+        log = files.join(results[stopped]["dir"], "train.log")
+        return results, _stopped(f"while training {stem} seed {seed} (its {log} says what it "
+                                 "saved)")
+    if not analyze_all(results, runs, next(iter(plans.values())), ood=args.ood,
+                       descent_batches=args.descent_batches,
+                       recursion_stems={_stem(n) for n in args.recursion_configs or ()},
+                       recursion=args.recursion_steps):
+        return results, _stopped("before the report")
+    return results, None
 
 
 def _config_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
@@ -121,73 +141,6 @@ def _config_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     return paths
 
 
-def _plans(args: argparse.Namespace, cfgs: Mapping[str, TrainConfig], baseline: str
-           ) -> dict[str, dict[str, int]]:
-    """{budget: {stem: steps}} for each of --budget (`budget_steps`); the equal-FLOPs table
-    holds --flops-configs (default: all) and the baseline."""
-    flops_stems = {_stem(n) for n in args.flops_configs or cfgs}
-    plans = {}
-    for budget in args.budget:
-        chosen = [s for s in cfgs if budget == "steps" or s in flops_stems or s == baseline]
-        plans[budget] = budget_steps({s: cfgs[s] for s in chosen}, baseline, args.steps, budget)
-    return plans
-
-
-def _run_specs(args: argparse.Namespace, paths: Mapping[str, str],
-               plans: Mapping[str, Mapping[str, int]]) -> dict[Key, RunSpec]:
-    """{(stem, steps, seed): RunSpec} of every run the tables need, in training order (a run
-    two tables share trains once). Raises as `load_config`."""
-    from cem_jax.compare_runs import RunSpec
-
-    eval_every = args.eval_every or max(1, args.steps // 8)
-    runs = {}
-    for seed in args.seeds:
-        for plan in plans.values():
-            for stem, steps in plan.items():
-                runs.setdefault((stem, steps, seed), RunSpec.make(
-                    stem, paths[stem], steps, seed, eval_every, args.runs_dir, args.overrides))
-    return runs
-
-
-def _train_all(runs: Mapping[Key, RunSpec]) -> tuple[dict[Key, dict], int | None]:
-    """Train the runs in order (`train_one`): (their rows by key, None), or, once a signal
-    stopped one, (the rows so far, `_stopped`'s status)."""
-    from cem_jax.compare_runs import train_one
-
-    results = {}
-    for key, spec in runs.items():
-        results[key] = train_one(spec)
-        if results[key]["stopped"] or exits.received() is not None:
-            return results, _stopped(f"while training {spec.stem} seed {spec.seed} (its "
-                                     f"{files.join(results[key]['dir'], 'train.log')} says what "
-                                     f"it saved)")
-    return results, None
-
-
-def _analyze_all(args: argparse.Namespace, cfgs: Mapping[str, TrainConfig],
-                 plans: Mapping[str, Mapping[str, int]], runs: Mapping[Key, RunSpec],
-                 results: Mapping[Key, dict]) -> int | None:
-    """`analyze` each finished run into its row of `results`: the descent (of the configs
-    with a tied sub-layer) and the recursion (of --recursion-configs) for the first table's
-    runs only. Returns None, or `_stopped`'s status when a signal came first."""
-    from cem_jax.compare_analysis import analyze
-
-    recursion_stems = {_stem(n) for n in args.recursion_configs or ()}
-    first = next(iter(plans.values()))
-    for (stem, steps, seed), row in results.items():
-        if exits.received() is not None:
-            return _stopped("before the report")
-        if not row["ok"]:
-            continue
-        of_first = first.get(stem) == steps  # descent and recursion: the first table's runs
-        analyze(row, runs[stem, steps, seed].cfg, ood=args.ood,
-                descent_batches=args.descent_batches
-                if of_first and _tied(cfgs[stem].model) else 0,
-                recursion=args.recursion_steps if of_first and stem in recursion_stems
-                else ())
-    return None
-
-
 def _stopped(where: str) -> int:
     """cem-compare's last line when a signal stopped it (no report is written: it would lack
     the runs still to do); returns 75, cem-train's status for a stop (`ExitStatus.STOPPED`)."""
@@ -202,7 +155,9 @@ def _stopped(where: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cem-compare",
                                      description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--configs", nargs="+", required=True, metavar="YAML")
+    parser.add_argument("--configs", nargs="+", required=True, metavar="YAML",
+                        help="the configs to compare, one row each "
+                             "(e.g. configs/shakespeare_*.yaml)")
     parser.add_argument("--steps", type=positive_int, required=True,
                         help="training steps of every run (of the baseline with --budget flops)")
     parser.add_argument("--seeds", type=_int_list, default=[0], metavar="S,S,...",
@@ -225,10 +180,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="configs whose runs are evaluated at --recursion-steps")
     parser.add_argument("--recursion-steps", type=_int_list, default=[1, 2, 3, 4],
                         metavar="N,N,...", help="CEM steps per sub-layer at test time")
-    parser.add_argument("--out", type=Path, default=Path("runs/compare/results.md"))
+    parser.add_argument("--out", type=Path, default=Path("runs/compare/results.md"),
+                        help="the report (Markdown; its figures and analysis.json beside it; "
+                             "default runs/compare/results.md)")
     parser.add_argument("--runs-dir", default="runs/compare",
                         help="where the runs are trained: a folder, or a bucket's URL")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="config overrides applied to every config (as cem-train's)")
     return parser
 
 
@@ -259,7 +217,7 @@ def _budgets(text: str) -> list[str]:
 def _unwritable(out: Path, budgets: Sequence[str]) -> str:
     """Why the report cannot be written to `out` and its PNGs beside it ("" if it can);
     creates the folder of `out`."""
-    from cem_jax.compare_report import figure_names, figure_path
+    from cem_jax.compare.report import figure_names, figure_path
 
     for path in (out, *(figure_path(out, f) for f in figure_names(budgets))):
         if path.is_dir():
@@ -277,29 +235,6 @@ def _unwritable(out: Path, budgets: Sequence[str]) -> str:
 
 def _stem(name: str) -> str:
     return Path(name).stem
-
-
-def _tied(model) -> bool:
-    return model.kinds != ("llama_attention", "swiglu")
-
-
-def default_baseline(cfgs: Mapping[str, TrainConfig]) -> str:
-    """The first config whose attention and MLP are both untied (Llama), else the first."""
-    return next((s for s, c in cfgs.items() if not _tied(c.model)), next(iter(cfgs)))
-
-
-def budget_steps(cfgs: Mapping[str, TrainConfig], baseline: str, steps: int, budget: str
-                 ) -> dict[str, int]:
-    """Training steps of each config under `budget`: "steps" gives every config `steps`;
-    "flops" gives each the training FLOPs of `baseline` at `steps`, in whole steps:
-    max(1, round(steps · F_baseline / F_config)), F = `flops_per_token` at the config's
-    sequence length times its tokens per step (batch_size · seq_len)."""
-    from cem_jax.compare_report import step_flops
-
-    if budget == "steps":
-        return dict.fromkeys(cfgs, steps)
-    target = steps * step_flops(cfgs[baseline])
-    return {stem: max(1, round(target / step_flops(cfg))) for stem, cfg in cfgs.items()}
 
 
 if __name__ == "__main__":

@@ -1,21 +1,23 @@
-"""The Hugging Face kind of `cem_jax.data.tokenizer.Tokenizer`: a `tokenizer.json` through the
-`tokenizers` library, its special tokens (EOS, BOS, PAD) named by a tokenizer_config.json's
-`SPECIAL_KEYS` or found among its special added tokens by the names models use
-(`FALLBACK_NAMES`); special-token text in a document is read as text (see the module docstring
-of `cem_jax.data.tokenizer`).
+"""The Hugging Face kind of `cem_jax.data.tokenizers.Tokenizer`: a `tokenizer.json` through the
+`tokenizers` library, its special tokens (EOS, BOS, PAD) named by the `SPECIAL_KEYS` of a
+tokenizer_config.json beside it (`CONFIG_FILE`) or found among its special added tokens by the
+names models use (`FALLBACK_NAMES`); special-token text in a document is read as text (see the
+docstring of `cem_jax.data.tokenizers.base`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import tokenizers
 
-from cem_jax.data.tokenizer import CONFIG_FILE, FILE_NAMES, Tokenizer
+from cem_jax.data.tokenizers.base import Tokenizer
 
+CONFIG_FILE = "tokenizer_config.json"  # beside a tokenizer.json: its special tokens
 SPECIAL_KEYS = ("eos_token", "bos_token", "pad_token")  # the ones read from CONFIG_FILE
 # Special added tokens of a tokenizer.json taken as EOS / BOS / PAD when no CONFIG_FILE names
 # them (the first one it has): GPT-2, GPT-NeoX, Qwen; Llama 3; Llama 2, Mistral, T5; Gemma.
@@ -37,7 +39,7 @@ class HuggingFaceTokenizer(Tokenizer):
     """
 
     kind = "huggingface"
-    file_name = FILE_NAMES["huggingface"]
+    file_name = "tokenizer.json"
 
     def __init__(self, data: bytes, special_tokens: Mapping[str, object] | None = None,
                  source: str = "tokenizer.json"):
@@ -56,6 +58,17 @@ class HuggingFaceTokenizer(Tokenizer):
             self.special_tokens, sort_keys=True).encode()).hexdigest()
         self._dropped = {i for i in (*ids.values(), self.unk_id) if i is not None} | set(
             special.values())
+
+    @classmethod
+    def from_files(cls, contents: Mapping[str, bytes], source: str) -> HuggingFaceTokenizer:
+        """The tokenizer.json `contents[file_name]` with the special tokens that
+        `contents[CONFIG_FILE]` names, when it is there (see `Tokenizer.from_files`). Raises
+        ValueError as the class does, and when the tokenizer_config.json is not a JSON
+        object (naming it as a file beside `source`)."""
+        config = contents.get(CONFIG_FILE)
+        where = posixpath.join(posixpath.dirname(source), CONFIG_FILE)
+        return cls(contents[cls.file_name], {} if config is None else _config(config, where),
+                   source)
 
     def encode_batch(self, texts: Sequence[str], num_threads: int | None = None
                      ) -> list[list[int]]:
@@ -85,6 +98,18 @@ class HuggingFaceTokenizer(Tokenizer):
         """tokenizer.json (`data`) and a tokenizer_config.json naming its special tokens."""
         return {self.file_name: self.data,
                 CONFIG_FILE: (json.dumps(self.special_tokens, indent=2) + "\n").encode()}
+
+
+def _config(data: bytes, where: str) -> dict:
+    """The special tokens named by tokenizer_config.json `data` (of file `where`): {key: value}
+    of those of SPECIAL_KEYS it has. Raises ValueError when it is not a JSON object."""
+    try:
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{where} is not valid JSON ({err}): fix it or remove it") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} holds a JSON {type(value).__name__}, not an object")
+    return {key: value[key] for key in SPECIAL_KEYS if key in value}
 
 
 def _backend(data: bytes, source: str) -> tokenizers.Tokenizer:

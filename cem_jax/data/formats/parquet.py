@@ -6,7 +6,6 @@ file's tokenization is cut into (`row_groups`), each read alone by `parquet_docu
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,20 +13,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cem_jax.data import files
-from cem_jax.data.formats_common import Document, check_head, compression_of, damaged, decode
+from cem_jax.data.formats.common import (
+    Document,
+    Part,
+    check_head,
+    compression_of,
+    damaged,
+    decode,
+)
 
 PARQUET_BATCH = 1024  # rows read at once from a Parquet file
-
-
-@dataclasses.dataclass(frozen=True)
-class Part:
-    """A piece of one file that can be read alone: Parquet row groups [start, stop), or the whole
-    file (start = stop = None); `size` in bytes (Parquet: of the text column, uncompressed; else
-    the file on disk) for balancing work."""
-
-    start: int | None
-    stop: int | None
-    size: int
 
 
 def row_groups(path: str, *, text_column: str = "text") -> list[Part]:

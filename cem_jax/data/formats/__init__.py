@@ -3,14 +3,15 @@
     fmt = format_of(path)                       # by the name: "text", "jsonl", "parquet", ...
     for doc in documents(path, fmt):            # doc.name, doc.text (possibly empty)
         ...
-    groups = formats_parquet.row_groups(path)   # a large Parquet file's pieces (Part)
+    groups = parquet.row_groups(path)           # a large Parquet file's pieces (Part)
     documents(path, "parquet", part=groups[3])  # read alone, by another worker
 
-This module holds the formats, what a file's name says it is (`format_of`) and `documents`,
-which hands a file to the reader of its format: `formats_text` (text and JSONL),
-`formats_parquet` (Parquet; `row_groups` and `Part`), `formats_arrayrecord` (ArrayRecord). What
-they share (`Document`, `decode`, the checks of a file's first bytes and their errors) is in
-`formats_common`.
+This module holds `TABLE`, one `Format` row per format: its name, the name suffixes it claims,
+its magic bytes, its reader and how a file of it splits into parts. `format_of` and `documents`
+read it, and so do the checks of a file's first bytes. A new format is a reader module and a
+row. The readers: `text` (text and JSONL), `parquet` (Parquet; `row_groups`), `arrayrecord`
+(ArrayRecord). What they share (`Document`, `Part`, `decode`, the checks of a file's first bytes
+and their errors) is in `common`.
 
 Text and JSONL may be gzip- (`.gz`) or zstd-compressed (`.zst`, `.zstd`), decompressed as a
 stream. Every text is strict UTF-8 (an error names the file and the byte offset of the first
@@ -26,17 +27,51 @@ and for binary data (control bytes such as NUL), before and after decompression.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from cem_jax.data.formats_arrayrecord import arrayrecord_documents
-from cem_jax.data.formats_common import Document, compression_of
-from cem_jax.data.formats_parquet import Part, parquet_documents
-from cem_jax.data.formats_text import jsonl_documents, text_documents
+from cem_jax.data.formats.arrayrecord import arrayrecord_documents
+from cem_jax.data.formats.common import Document, Part, compression_of
+from cem_jax.data.formats.parquet import parquet_documents, row_groups
+from cem_jax.data.formats.text import jsonl_documents, text_documents
 
-FORMATS = ("text", "jsonl", "parquet", "arrayrecord")
+__all__ = ["BY_NAME", "FORMATS", "TABLE", "Document", "Format", "Part", "documents",
+           "format_of"]
 
-_JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+# (path, text_column, allow_invalid_utf8, part: None for the whole file) -> its documents
+Reader = Callable[[str, str, bool, Part | None], Iterator[Document]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A corpus format: its `name` (a corpus spec's FORMAT: prefix), the `suffixes` of file
+    names that claim it (before a compression suffix), the `magic` bytes its files start with
+    (None: no fixed start; a format with them claims a suffix, which the refusal of such a file
+    read as another format names), its `label` in messages ("a Parquet file"), its reader
+    (`read`) and, for a format whose file can be cut into pieces read alone,
+    `parts(path, text_column=...)`, a file's `Part`s (None: a file is read whole)."""
+
+    name: str
+    suffixes: tuple[str, ...]
+    magic: bytes | None
+    label: str
+    read: Reader
+    parts: Callable[..., list[Part]] | None = None
+
+
+# Format(name, suffixes, magic, label, read, parts). A name that no suffix claims is text (.txt,
+# .md, no extension); ArrayRecord's magic bytes are riegeli's.
+TABLE = (
+    Format("text", (), None, "text", text_documents),
+    Format("jsonl", (".jsonl", ".ndjson", ".json"), None, "JSONL", jsonl_documents),
+    Format("parquet", (".parquet",), b"PAR1", "a Parquet file", parquet_documents,
+           parts=row_groups),
+    Format("arrayrecord", (".array_record", ".arrayrecord"), bytes.fromhex("83af70d10d884a3f"),
+           "an ArrayRecord file", arrayrecord_documents),
+)
+BY_NAME = {f.name: f for f in TABLE}
+FORMATS = tuple(BY_NAME)
 
 
 def format_of(path: str) -> str:
@@ -46,13 +81,7 @@ def format_of(path: str) -> str:
     name = path.lower()
     if compression_of(name):
         name = os.path.splitext(name)[0]
-    if name.endswith(_JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith((".array_record", ".arrayrecord")):
-        return "arrayrecord"
-    return "text"
+    return next((f.name for f in TABLE if f.suffixes and name.endswith(f.suffixes)), "text")
 
 
 def documents(path: str, fmt: str, *, text_column: str = "text", allow_invalid_utf8: bool = False,
@@ -77,15 +106,10 @@ def documents(path: str, fmt: str, *, text_column: str = "text", allow_invalid_u
         or outside the file's.
       FileNotFoundError: `path` does not exist.
     """
-    if fmt not in FORMATS:
+    if fmt not in BY_NAME:
         raise ValueError(f"unknown format {fmt!r} of {path}: expected one of {', '.join(FORMATS)}")
-    if fmt == "parquet":
-        return parquet_documents(path, text_column, allow_invalid_utf8, part)
-    if part is not None and part.start is not None:
+    row = BY_NAME[fmt]
+    if row.parts is None and part is not None and part.start is not None:
         raise ValueError(f"{path}: a part of row groups {part.start}..{part.stop} is only for "
                          f"Parquet files, and this one is read as {fmt}")
-    if fmt == "text":
-        return text_documents(path, allow_invalid_utf8)
-    if fmt == "jsonl":
-        return jsonl_documents(path, text_column, allow_invalid_utf8)
-    return arrayrecord_documents(path, allow_invalid_utf8)
+    return row.read(path, text_column, allow_invalid_utf8, part)

@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     # imported once the arguments are parsed (they import JAX): --help answers at once
-    from cem_jax.compare_report import step_flops
+    from cem_jax.compare.report import step_flops
     from cem_jax.study.analysis import Results
     from cem_jax.study.plan import flops_steps, load_study
     from cem_jax.study.records import dirty_tree, read_records, train_and_record
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "tree)")
         results = Results(study, read_records(study))
     except (ValueError, FileNotFoundError) as err:
-        print(f"cem-study: {err}", file=sys.stderr)
+        print(f"cem-study: error: {err}", file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.hours * 3600 if args.hours else None
     failed, trained, status = set(), 0, 0

@@ -1,4 +1,5 @@
-"""`cem-export` and `cem-import`.
+"""`cem-export` and `cem-import`, the commands of `cem_jax.export`: a run's checkpoint written in
+another format, and a Hugging Face Llama directory turned into a run directory.
 
     cem-export --run runs/cem [--step N] --format safetensors|hf-llama|hf --out DIR [--overwrite]
     cem-import --hf llama_dir --out runs/llama-ft [--config base.yaml] [section.key=value ...]
@@ -7,7 +8,8 @@ Exit status (docs/exit_statuses.md): 0 written; 1 a crash (its traceback), or ob
 unreachable or failing (one line, `cem_jax.data.storage_errors.storage_error`: run it again); 2
 a usage error, or what running it again will not change (one line): the input cannot be read
 (a missing run directory, checkpoint or file, a bad config), the format cannot express the
-model (the message names the feature), --out may not be written (`output.check_destination`).
+model (the message names the feature), --out may not be written
+(`cem_jax.export.output.check_destination`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def import_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="run directory to create")
     parser.add_argument("--config", help="YAML config for the data/optimizer/run sections (the "
                         "model's architecture is the Llama's)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="overrides of the data, optimizer and run sections (as cem-train's)")
     parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
     from cem_jax.data import find_tokenizer

@@ -1,5 +1,5 @@
-"""The sentencepiece kind of `cem_jax.data.tokenizer.Tokenizer`: a `.model` file, given or
-trained here (`cem_jax.data.tokenizer_training`), through the `sentencepiece` library, with its
+"""The sentencepiece kind of `cem_jax.data.tokenizers.Tokenizer`: a `.model` file, given or
+trained here (`cem_jax.data.tokenizers.training`), through the `sentencepiece` library, with its
 own control pieces as special tokens. A literal "▁" (sentencepiece's marker for a space) in the
 text survives a round trip (`SentencePieceTokenizer.encode_batch`).
 """
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import sentencepiece as spm
 
-from cem_jax.data.tokenizer import FILE_NAMES, Tokenizer
+from cem_jax.data.tokenizers.base import Tokenizer
 
 SPACE_SYMBOL = "\u2581"  # "▁", sentencepiece's marker for a space
 
@@ -23,7 +23,7 @@ class SentencePieceTokenizer(Tokenizer):
     must have an EOS (ValueError otherwise)."""
 
     kind = "sentencepiece"
-    file_name = FILE_NAMES["sentencepiece"]
+    file_name = "tokenizer.model"
 
     def __init__(self, model_proto: bytes):
         self.data = model_proto
@@ -38,6 +38,16 @@ class SentencePieceTokenizer(Tokenizer):
         self.sha256 = hashlib.sha256(model_proto).hexdigest()
         byte_ids = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in SPACE_SYMBOL.encode()]
         self._space_symbol_ids = [] if self.unk_id in byte_ids else byte_ids
+
+    @classmethod
+    def from_files(cls, contents: Mapping[str, bytes], source: str) -> SentencePieceTokenizer:
+        """The model `contents[file_name]` (see `Tokenizer.from_files`). Raises ValueError
+        naming `source` when sentencepiece cannot read it, or it has no EOS."""
+        try:
+            return cls(contents[cls.file_name])
+        except RuntimeError as err:
+            raise ValueError(f"{source} is neither a sentencepiece model nor a Hugging Face "
+                             f"tokenizer.json (sentencepiece: {err})") from None
 
     def encode_batch(self, texts: Sequence[str], num_threads: int | None = None
                      ) -> list[list[int]]:

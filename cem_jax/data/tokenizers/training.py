@@ -21,7 +21,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from cem_jax.data.config import MIN_VOCAB_SIZE
-from cem_jax.data.tokenizer_sentencepiece import SentencePieceTokenizer
+from cem_jax.data.tokenizers.sentencepiece import SentencePieceTokenizer
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 TRAINER_VERSION = 1  # bump when the training settings change: it invalidates cached tokenizers

@@ -1,7 +1,7 @@
 """The argument parsers of the commands whose modules import JAX: `cem-train`, `cem-sample` and
 `cem-eval`. This module imports no JAX (an import contract of pyproject.toml), so that `--help`
-and a usage error (exit status 2) answer at once: each command parses its arguments with these,
-then imports the module that runs it (`cem_jax.train.main`, `cem_jax.commands`).
+and a usage error (exit status 2) answer at once: each command (`cem_jax.cli.train`, `.sample`,
+`.evaluate`) parses its arguments with these, then imports the library that runs it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def positive_int(text: str) -> int:
 
 
 def train_parser() -> argparse.ArgumentParser:
-    """The arguments of `cem-train` (`cem_jax.train.command`)."""
+    """The arguments of `cem-train` (`cem_jax.cli.train`)."""
     parser = argparse.ArgumentParser(prog="cem-train", description=TRAIN_DESCRIPTION)
     parser.add_argument("--config", help="YAML config file (default: all defaults: the model, "
                         "data and optimizer of configs/shakespeare_cem.yaml, what `make train` "

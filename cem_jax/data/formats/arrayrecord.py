@@ -1,5 +1,6 @@
 """The reader of ArrayRecord corpus files (`cem_jax.data.formats`), local or on gs://: each
-record the UTF-8 bytes of one document, read in batches of ARRAYRECORD_BATCH records.
+record the UTF-8 bytes of one document, read in batches of ARRAYRECORD_BATCH records; a file is
+read whole (no `Part`s).
 """
 
 from __future__ import annotations
@@ -7,14 +8,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from cem_jax.data import files
-from cem_jax.data.formats_common import Document, check_head, damaged, decode
+from cem_jax.data.formats.common import Document, Part, check_head, damaged, decode
 
 ARRAYRECORD_BATCH = 256  # records read at once from an ArrayRecord file
 
 
-def arrayrecord_documents(path: str, allow_invalid_utf8: bool) -> Iterator[Document]:
+def arrayrecord_documents(path: str, text_column: str, allow_invalid_utf8: bool,
+                          part: Part | None) -> Iterator[Document]:
     """The documents of ArrayRecord file `path`, one per record (see
-    `cem_jax.data.formats.documents`)."""
+    `cem_jax.data.formats.documents`; `text_column` and `part` are not used: a record is the
+    text, and the file is read whole)."""
     _check_arrayrecord(path)
     reader = _arrayrecord_reader(path)
     try:

@@ -1,0 +1,88 @@
+"""`cem-sample --run DIR [--step N] --prompt "..."`: print continuations of prompts by a run's
+model (`cem_jax.sample.generate`). The arguments are parsed before JAX is imported, so `--help`
+and a usage error (exit status 2) answer at once; the library is imported once they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+from cem_jax.cli.arguments import sample_parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`cem-sample`; returns the exit status (0 ok; 1 a crash, or object storage unreachable or
+    failing: one line; 2 a usage error or a run that cannot be sampled as asked: a missing or
+    unreadable run directory or checkpoint, a bad option value, a decode that does not fit in
+    memory)."""
+    return run_command(sample_parser().parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`main` on parsed arguments (`cem_jax.cli.arguments.sample_parser`)."""
+    import jax
+
+    from cem_jax.checkpoint import CheckpointError
+    from cem_jax.compilation_cache import use_compilation_cache
+    from cem_jax.data.storage_errors import storage_error
+    from cem_jax.memory import is_out_of_memory
+    from cem_jax.rundir import load_run, quiet_checkpoint_logs
+    from cem_jax.sample import SamplingConfig, generate
+
+    quiet_checkpoint_logs()
+    try:
+        run = load_run(args.run, args.step)
+        use_compilation_cache(run.config)
+    except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
+        if (said := storage_error(err)) is not None:
+            print(f"cem-sample: error: {said}", file=sys.stderr)
+            return 1
+        if not isinstance(err, (FileNotFoundError, CheckpointError, ValueError)):
+            raise
+        print(f"cem-sample: error: {err}", file=sys.stderr)
+        return 2
+    tok = run.tokenizer
+    try:
+        sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                                  tok.eos_id, not args.no_stop_at_eos, tok.pad_id, args.seed,
+                                  vocab_size=tok.vocab_size)
+    except ValueError as err:
+        print(f"cem-sample: error: {err}", file=sys.stderr)
+        return 2
+    texts = args.prompt or [""]
+    prompts = [[tok.eos_id] + tok.encode(t) for t in texts]  # EOS starts a document
+    model_cfg = run.config.model
+    if args.steps is not None:  # test-time recursion (DESIGN.md §1: the steps share weights)
+        model_cfg = dataclasses.replace(model_cfg, steps=args.steps)
+    try:
+        out = generate(run.params, model_cfg, prompts, sampling)
+    except KeyboardInterrupt:  # the compiled decode loop returns before Python sees SIGINT
+        print("cem-sample: stopped by SIGINT; nothing was printed", file=sys.stderr)
+        return 130
+    except ValueError as err:  # DoesNotFit: refused before anything was allocated
+        print(f"cem-sample: error: {err}", file=sys.stderr)
+        return 2
+    except jax.errors.JaxRuntimeError as err:
+        if not is_out_of_memory(err):
+            raise
+        print(f"cem-sample: error: decoding needs more memory than the device has "
+              f"({str(err).splitlines()[0]}); lower --max-new-tokens or the number of prompts",
+              file=sys.stderr)
+        return 2
+    longest = max(len(p) + n for p, n in zip(prompts, out.lengths, strict=True))
+    if longest > run.config.data.seq_len:
+        print(f"cem-sample: note: the longest prompt and its continuation make "
+              f"{longest} tokens, past the {run.config.data.seq_len}-token windows the "
+              f"model was trained on (data.seq_len): the text past them may lose coherence",
+              file=sys.stderr)
+    for text, row, n in zip(texts, out.tokens, out.lengths, strict=True):
+        print(text + tok.decode(row[:n]))
+        print("-" * 40)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
