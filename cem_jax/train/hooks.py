@@ -39,35 +39,35 @@ logger = logging.getLogger(__name__)
 class Progress:
     """Every step (a metrics hook): the tqdm bar (on process 0, when `show` and stderr is a
     terminal: a redirected log gets no carriage-return lines) and the speed meter behind the
-    logged tokens/s. The first step's time (mostly compilation) is left out, and so is the
-    time of state hooks (`StepInfo.train_clock`)."""
+    logged tokens/s: the steps' tokens over their own time (`StepInfo.seconds`: each step whole,
+    dispatch included, the last one too; not the time of state hooks). The first step's time
+    (mostly compilation) is left out."""
 
     def __init__(self, first_step: int, last_step: int, tokens_per_step: int, show: bool):
         self.tokens_per_step = tokens_per_step
         self.shown = show and jax.process_index() == 0 and sys.stderr.isatty()
         self.bar = tqdm(total=last_step, initial=first_step, unit="step", dynamic_ncols=True,
                         mininterval=1.0, disable=not self.shown)
-        self.start: float | None = None
-        self.steps = 0
+        self.timed = False  # the first step is not
+        self.steps, self.seconds = 0, 0.0
 
     def __call__(self, info: StepInfo) -> None:
-        if self.start is None:
-            self.start = info.train_clock()
-        else:
-            self.steps += 1
+        if self.timed:
+            self.steps, self.seconds = self.steps + 1, self.seconds + info.seconds
+        self.timed = True
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{info.host_metrics()['loss']:.3f}",
-                             tok_s=f"{self.tokens_per_s(info):,.0f}", refresh=False)
+                             tok_s=f"{self.tokens_per_s():,.0f}", refresh=False)
 
-    def tokens_per_s(self, info: StepInfo) -> float:
+    def tokens_per_s(self) -> float:
         """Training tokens per second since the last `reset` (nan before a timed step)."""
-        if not self.steps:
+        if not self.steps or self.seconds <= 0:
             return math.nan
-        return self.steps * self.tokens_per_step / (info.train_clock() - self.start)
+        return self.steps * self.tokens_per_step / self.seconds
 
-    def reset(self, info: StepInfo) -> None:
+    def reset(self) -> None:
         """Start a new speed window at this step."""
-        self.start, self.steps = info.train_clock(), 0
+        self.steps, self.seconds = 0, 0.0
 
     def close(self) -> None:
         self.bar.close()
@@ -84,7 +84,7 @@ class LogMetrics:
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
 
     def __call__(self, info: StepInfo) -> None:
-        tokens_per_s = self.progress.tokens_per_s(info)
+        tokens_per_s = self.progress.tokens_per_s()
         speed = {} if math.isnan(tokens_per_s) else {
             "tokens_per_s": tokens_per_s, "mfu": self.flops_per_token * tokens_per_s /
             self.peak_flops}
@@ -93,7 +93,7 @@ class LogMetrics:
         if not self.progress.shown:
             rate = f", {tokens_per_s:,.0f} tokens/s, MFU {speed['mfu']:.1%}" if speed else ""
             logger.info("step %d: loss %.4f%s", info.step, metrics["loss"], rate)
-        self.progress.reset(info)
+        self.progress.reset()
 
 
 class Validate:

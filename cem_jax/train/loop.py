@@ -14,10 +14,15 @@ to while step N runs, raises `TrainingDiverged` if they are not all finite, and 
 checkpoints and evaluations need the step's values, every so many steps; before the next
 dispatch, since the train step donates the state. A state hook that reads step N's values
 first calls `StepInfo.finish()`, which does for step N now what the loop would do after the
-next dispatch: a checkpoint saves only a finite state, with every step it covers logged, and
-the wait for the device counts as training time (`StepInfo.train_clock` stops while state
-hooks run, except inside `finish`). A hook ends the run after this step with
-`StepInfo.request_stop()` (later hooks of the step then see `info.last`).
+next dispatch: a checkpoint saves only a finite state, with every step it covers logged. A
+hook ends the run after this step with `StepInfo.request_stop()` (later hooks of the step then
+see `info.last`).
+
+Speed meters read `StepInfo.seconds`, each step's own time: its dispatch (the batch fetched and
+the step called, which on the CPU computes much of the step), the loop's work until the next
+dispatch, and the wait for its results wherever it happens (after the next dispatch, or early
+in a state hook's `finish`); the time of "state" hooks (checkpoints, evaluations) is no step's.
+So every step, the last one too, is timed whole, whether dispatch is asynchronous or not.
 
 Each step's dispatch (its batch fetched, the step called) runs inside
 `jax.profiler.StepTraceAnnotation("train", step_num=step)`, so a profiler trace
@@ -50,7 +55,8 @@ class StepInfo:
     state: the train state after the step ("state" hooks; None for "metrics" hooks, since the
       next step has consumed it by then). metrics: the step's device scalars ("loss",
       "grad_norm", "param_norm", "lr"). last: no step follows (the last step, or a stop was
-      requested).
+      requested). seconds: the step's own time so far (see the module docstring), whole once
+      its "metrics" hooks run.
     """
 
     step: int
@@ -58,6 +64,7 @@ class StepInfo:
     metrics: dict[str, jax.Array]
     last: bool
     _loop: TrainLoop = dataclasses.field(repr=False)
+    seconds: float = 0.0
     _host: dict[str, float] | None = dataclasses.field(default=None, repr=False)
     _finished: bool = dataclasses.field(default=False, repr=False)
 
@@ -70,8 +77,7 @@ class StepInfo:
     def finish(self) -> dict[str, float]:
         """Check this step's metrics and run its "metrics" hooks now (once; the loop then skips
         them); returns the host metrics. Raises TrainingDiverged if they are not finite. Called
-        from a "state" hook, the time it takes (mostly the wait for the device) is training
-        time on `train_clock`."""
+        from a "state" hook, the wait for the device is still the step's time (`seconds`)."""
         if not self._finished:
             self._finished = True
             loop = self._loop
@@ -84,13 +90,6 @@ class StepInfo:
                 if paused:
                     loop.pause_clock()
         return self.host_metrics()
-
-    def train_clock(self) -> float:
-        """Seconds of the loop's wall time outside "state" hooks (a clock for speed meters:
-        the time of checkpoints and evaluations is not training; a hook's `finish` is)."""
-        loop = self._loop
-        now = time.perf_counter() if loop.paused_at is None else loop.paused_at
-        return now - loop.paused_seconds
 
     def request_stop(self) -> None:
         """End the run after this step: the remaining hooks of the step see `last`."""
@@ -124,7 +123,9 @@ class TrainLoop:
         self.step, self.last_step = first_step, last_step
         self.hooks: list[Hook] = []
         self.stopped = False
-        self.paused_seconds, self.paused_at = 0.0, None  # the train clock (StepInfo.train_clock)
+        self.paused_seconds, self.paused_at = 0.0, None  # the clock stops in "state" hooks
+        self._current: StepInfo | None = None  # the step the loop's time is charged to
+        self._charged = 0.0  # the clock up to which it is
 
     def add_hook(self, fn: Callable[[StepInfo], None], every: int = 1, *,
                  reads: Literal["metrics", "state"] = "metrics", at_last: bool = False) -> None:
@@ -139,10 +140,12 @@ class TrainLoop:
         stop). Raises TrainingDiverged and whatever a hook raises."""
         pending: StepInfo | None = None
         while self.step < self.last_step:
+            self._charged = self.train_clock()
             with jax.profiler.StepTraceAnnotation("train", step_num=self.step + 1):
                 self.state, metrics = self.step_fn(self.state, next(self.batches))
             self.step += 1
             info = StepInfo(self.step, self.state, metrics, self.step == self.last_step, self)
+            self._current = info
             if pending is not None:
                 pending.finish()
             for hook in self.hooks:
@@ -152,12 +155,24 @@ class TrainLoop:
                         hook.fn(info)
                     finally:
                         self.resume_clock()
+            self._charge()
             info.state, pending = None, info  # donated to the next step
             if info.last:
                 break
         if pending is not None:
             pending.finish()
         return self.state, self.step, self.stopped
+
+    def train_clock(self) -> float:
+        """Seconds of wall time outside "state" hooks (a hook's `StepInfo.finish` counts)."""
+        now = time.perf_counter() if self.paused_at is None else self.paused_at
+        return now - self.paused_seconds
+
+    def _charge(self) -> None:
+        """Add the loop's time since the last charge to the step being dispatched."""
+        now = self.train_clock()
+        self._current.seconds += now - self._charged
+        self._charged = now
 
     def pause_clock(self) -> None:
         self.paused_at = time.perf_counter()
@@ -167,7 +182,11 @@ class TrainLoop:
         self.paused_at = None
 
     def _finish(self, info: StepInfo) -> None:
-        metrics = info.host_metrics()
+        self._charge()
+        metrics = info.host_metrics()  # the wait for the device: the step's own time
+        now = self.train_clock()
+        info.seconds += now - self._charged
+        self._charged = now
         if not all(math.isfinite(v) for v in metrics.values()):
             raise TrainingDiverged(f"non-finite training metrics at step {info.step}: " +
                                    ", ".join(f"{_NAMES.get(k, k)} {v}" for k, v in metrics.items()))

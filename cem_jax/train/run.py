@@ -56,6 +56,7 @@ from cem_jax.evaluate import describe, evaluate
 from cem_jax.exits import StoppedBySignal
 from cem_jax.export.output import unmark_output
 from cem_jax.kinds import BUILT_IN, check_decodable, check_kind, model_kinds
+from cem_jax.optim import check_trainable
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
 from cem_jax.train import hooks
@@ -117,7 +118,8 @@ def train(cfg: TrainConfig, hooks: Sequence[SetupHook] = ()) -> dict[str, Any]:
     RunDirInUse (another cem-train holds the directory), ValueError (config/run dir mismatch,
     run.dir a file), FileNotFoundError (a resumed run dir without its tokenizer), OSError (an
     unwritable run dir, a full disk; `CheckpointWriteError` for a checkpoint); ValueError also
-    when `cfg.expected_params` is not the model's parameter count, when the batch cannot be
+    when `cfg.expected_params` is not the model's parameter count, when `model.param_dtype` is
+    one the optimizer cannot train (`cem_jax.optim.check_trainable`), when the batch cannot be
     split over the mesh, and (`cem_jax.memory.DoesNotFit`) when a train step cannot fit in the
     device's memory: all checked before anything is written. A run directory this call created
     is removed again when it raises before the directory holds anything of value (a checkpoint
@@ -125,6 +127,7 @@ def train(cfg: TrainConfig, hooks: Sequence[SetupHook] = ()) -> dict[str, Any]:
     cannot be reached (a storage failure), not (it would wait out gcsfs's retries again)."""
     if cfg.expected_params is not None:
         check_expected_params(cfg)
+    check_trainable(cfg.model)
     cache = use_compilation_cache(cfg)  # before anything compiles
     off = "off" if cfg.run.compilation_cache else "off (run.compilation_cache=false)"
     logger.info("compilation cache: %s", cache or off)

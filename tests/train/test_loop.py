@@ -1,6 +1,7 @@
 """The step loop (`cem_jax.train.loop.TrainLoop`) with stub steps that record the order of
 events: the host never reads the step it has just dispatched, hooks run when due, a non-finite
-step stops the run before any later save, the speed meter's clock leaves out hook time."""
+step stops the run before any later save, the speed meter's clock leaves out hook time and
+gives every step, the last one too, its own dispatch and device time."""
 
 from __future__ import annotations
 
@@ -101,11 +102,10 @@ def test_a_hook_stops_the_run_and_later_hooks_see_the_last_step():
     assert ("dispatch", 6) not in log and ("dispatch", 3) in log
 
 
-def test_the_train_clock_counts_the_wait_for_the_device_and_not_the_hooks(monkeypatch):
+def test_a_step_s_time_is_its_wait_for_the_device_and_not_the_hooks(monkeypatch):
     """Each step costs 1 s of device wait (at its read); validation at step 2 and checkpoints at
-    steps 3 and 6 cost 10 s each after finishing their step. Every one-step speed window (the
-    metrics hook's clock differences) is the 1 s of its own step: none is left empty by a
-    hook's wait, none includes a hook."""
+    steps 3 and 6 cost 10 s each after finishing their step. Every step's time is the 1 s of
+    its own wait: none is left empty by a hook's wait, none includes a hook."""
     now = [0.0]
     monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
@@ -114,8 +114,8 @@ def test_the_train_clock_counts_the_wait_for_the_device_and_not_the_hooks(monkey
 
     log: list = []
     loop = make_loop(log, on_read=lambda: wait(1.0))
-    clocks = []
-    loop.add_hook(lambda info: clocks.append((info.step, info.train_clock())))
+    seconds = []
+    loop.add_hook(lambda info: seconds.append((info.step, info.seconds)))
 
     def hook(info):
         info.finish()
@@ -124,17 +124,15 @@ def test_the_train_clock_counts_the_wait_for_the_device_and_not_the_hooks(monkey
     loop.add_hook(hook, every=2, reads="state")
     loop.add_hook(hook, every=3, reads="state", at_last=True)
     loop.run()
-    assert [step for step, _ in clocks] == [1, 2, 3, 4, 5, 6]
-    times = [clock for _, clock in clocks]
-    assert list(np.diff(times)) == [1.0] * 5
+    assert seconds == [(step, 1.0) for step in range(1, 7)]
     assert now[0] == 6 * 1.0 + 4 * 10.0 + 10.0  # steps 2, 3, 4, 6 and 6 again
 
 
-def test_the_train_clock_is_right_when_processes_agree_on_a_stop(monkeypatch):
+def test_a_step_s_time_is_right_when_processes_agree_on_a_stop(monkeypatch):
     """On several processes `StopOnSignal` agrees every 2 steps by an all-gather, which waits
-    for the step in flight (1 s of device time, spent once whoever waits first): every one-step
-    speed window is still that step's 1 s (the wait inside the paused hook clock left windows
-    of 0 s: MFU 17,690% on 2 processes)."""
+    for the step in flight (1 s of device time, spent once whoever waits first): every step's
+    time is still its 1 s (a wait inside the hook, uncounted, left steps of 0 s: MFU 17,690%
+    on 2 processes)."""
     now, done, dispatched, found_done = [0.0], set(), [], []
     monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
@@ -154,14 +152,44 @@ def test_the_train_clock_is_right_when_processes_agree_on_a_stop(monkeypatch):
 
     monkeypatch.setattr(hooks.multihost_utils, "process_allgather", all_gather)
     loop = TrainLoop(step_fn, 0, iter(range(100)), first_step=0, last_step=6)
-    clocks = []
-    loop.add_hook(lambda info: clocks.append(info.train_clock()))
+    seconds = []
+    loop.add_hook(lambda info: seconds.append(info.seconds))
     stop = hooks.StopOnSignal(agree_every=2, first_step=0)
     stop.multihost, stop.preemption_service = True, False
     loop.add_hook(stop, reads="state")
     loop.run()
     assert found_done == [True, True, True]  # steps 2, 4, 6: finished (counted) before
-    assert list(np.diff(clocks)) == [1.0] * 5
+    assert seconds == [1.0] * 6
+
+
+@pytest.mark.parametrize("log_every", [1, 2, 3])
+def test_every_speed_record_covers_its_steps_when_a_dispatch_computes_its_step(monkeypatch,
+                                                                              log_every):
+    """On the CPU a dispatch computes much of its step (1 s here) and the read is at once: the
+    last record covered no step and read 38.7x the median when a step's time ran from read to
+    read (each after the next dispatch). Every record, the last one too, is its steps' own."""
+    now = [0.0]
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def step_fn(state, batch):
+        now[0] += 1.0
+        return state + 1, {"loss": Probe([], state + 1, 1.0)}
+
+    loop = TrainLoop(step_fn, 0, iter(range(100)), first_step=0, last_step=7)
+    progress = hooks.Progress(0, 7, tokens_per_step=100, show=False)
+    speeds = []
+
+    def record(info):
+        speeds.append((info.step, progress.tokens_per_s()))
+        progress.reset()
+
+    loop.add_hook(progress)
+    loop.add_hook(record, every=log_every, at_last=True)
+    loop.run()
+    timed = [step for step in range(1, 8) if step % log_every == 0 or step == 7]
+    assert [step for step, _ in speeds] == timed and speeds[-1][0] == 7
+    assert all(speed == 100.0 for step, speed in speeds if step > 1)  # 100 tokens in 1 s
+    assert log_every > 1 or math.isnan(speeds[0][1])  # step 1 alone: compilation, untimed
 
 
 def test_hook_every_must_be_positive():
