@@ -27,7 +27,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cem_jax.train_config import BATCH_AXES, MESH_AXES, MESH_AXIS_TABLE, MeshConfig
+from cem_jax.train_config import (
+    BATCH_AXES,
+    MESH_AXES,
+    MESH_AXIS_TABLE,
+    SLICE_AXIS,
+    MeshConfig,
+)
 
 Array = jax.Array
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -83,16 +89,42 @@ def target_platform() -> str:
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     """A `Mesh` of shape (data, fsdp, tensor) over `devices` (default: all, every process).
 
-    A -1 axis takes the devices the others leave. Raises ValueError when the sizes do not
-    multiply to the device count.
+    A -1 axis takes the devices the others leave. With `cfg.num_slices` > 1 the devices of each
+    slice (`device_slices`) fill a contiguous block of the data axis, so fsdp and tensor stay
+    inside a slice (jax's `create_hybrid_device_mesh`, by reshape). Raises ValueError when the
+    sizes do not multiply to the device count, or the slices do not fit (`device_slices`).
     """
     devices = jax.devices() if devices is None else devices
-    return Mesh(np.asarray(devices).reshape(mesh_sizes(cfg, len(devices))), MESH_AXES)
+    sizes = list(mesh_sizes(cfg, len(devices)))
+    axis = MESH_AXES.index(SLICE_AXIS)
+    sizes[axis] //= cfg.num_slices
+    return Mesh(np.concatenate([np.asarray(group).reshape(sizes)
+                                for group in device_slices(devices, cfg.num_slices)], axis),
+                MESH_AXES)
+
+
+def device_slices(devices: list, num_slices: int) -> list[list]:
+    """`devices` in `num_slices` groups, one per slice: by their `slice_index` (TPU multislice)
+    where they have one, else (CPU host devices, GPUs) in `num_slices` contiguous runs of the
+    device order, which tests the sharding across slices but not the network between them.
+    Raises ValueError when the devices' slices are not `num_slices` equal groups."""
+    if not hasattr(devices[0], "slice_index"):
+        per = len(devices) // num_slices
+        return [devices[i * per:(i + 1) * per] for i in range(num_slices)]
+    groups: dict[int, list] = {}
+    for device in devices:
+        groups.setdefault(device.slice_index, []).append(device)
+    if len(groups) != num_slices or len({len(g) for g in groups.values()}) > 1:
+        raise ValueError(f"the {len(devices)} devices are in {len(groups)} slice(s) of "
+                         f"{sorted(len(g) for g in groups.values())} devices, but "
+                         f"mesh.num_slices = {num_slices}: set mesh.num_slices={len(groups)}")
+    return [groups[index] for index in sorted(groups)]
 
 
 def mesh_sizes(cfg: MeshConfig, count: int) -> tuple[int, ...]:
     """(data, fsdp, tensor) of the mesh section `cfg` on `count` devices, a -1 axis taking the
-    devices the others leave. Raises ValueError when the sizes do not multiply to `count`."""
+    devices the others leave. Raises ValueError when the sizes do not multiply to `count`, or
+    the data axis (which spans the slices) does not split into `cfg.num_slices` equal parts."""
     sizes = list(cfg.sizes())
     if -1 in sizes:
         rest = math.prod(s for s in sizes if s != -1)
@@ -104,6 +136,11 @@ def mesh_sizes(cfg: MeshConfig, count: int) -> tuple[int, ...]:
         raise ValueError(f"mesh {'×'.join(MESH_AXES)} = {sizes} needs {math.prod(sizes)} devices, "
                          f"but there are {count}: change the mesh section (use -1 for "
                          f"one axis to take the rest)")
+    slices, axis = cfg.num_slices, MESH_AXES.index(SLICE_AXIS)
+    if sizes[axis] % slices:
+        raise ValueError(f"mesh.num_slices = {slices} must divide the {SLICE_AXIS} axis, which "
+                         f"spans the slices ({SLICE_AXIS} = {sizes[axis]} on {count} devices): "
+                         f"give mesh.{SLICE_AXIS} a multiple of {slices}, or fewer slices")
     return tuple(sizes)
 
 

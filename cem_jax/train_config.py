@@ -69,23 +69,27 @@ class OptimizerConfig:
 
 class MeshAxis(NamedTuple):
     """One axis of the device mesh: its name (a field of `MeshConfig`), whether the rows of
-    batches are split over it, and the logical axes of weights it shards (the rules of
-    `cem_jax.sharding.LOGICAL_RULES`)."""
+    batches are split over it, the logical axes of weights it shards (the rules of
+    `cem_jax.sharding.LOGICAL_RULES`), and whether it spans slices (its collectives, and only
+    its, cross the data-center network between slices: the gradient all-reduce of data
+    parallelism)."""
 
     name: str
     splits_batch: bool
     shards: tuple[str, ...]
+    spans_slices: bool = False
 
 
 # The mesh axes in mesh order: a new axis is a row here and a field of `MeshConfig`.
 MESH_AXIS_TABLE = (
-    MeshAxis("data", splits_batch=True, shards=()),
+    MeshAxis("data", splits_batch=True, shards=(), spans_slices=True),
     MeshAxis("fsdp", splits_batch=True, shards=("embed",)),
     MeshAxis("tensor", splits_batch=False, shards=("vocab", "heads", "kv_heads", "mlp")),
 )
 MESH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE)
 BATCH_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE if axis.splits_batch)
 PARAM_AXES = tuple(axis.name for axis in MESH_AXIS_TABLE if axis.shards)
+SLICE_AXIS = next(axis.name for axis in MESH_AXIS_TABLE if axis.spans_slices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +98,10 @@ class MeshConfig:
 
     Batches are split over data and fsdp; parameters are sharded over fsdp (their "embed"
     axis) and tensor ("heads", "kv_heads", "mlp", "vocab"), see `cem_jax.sharding`.
+    `num_slices`: TPU slices joined by the data-center network (DCN, multislice); `data` spans
+    them (each slice holds data / num_slices of it, its devices contiguous along data) and
+    fsdp and tensor stay inside a slice, so only data parallelism's gradient all-reduce crosses
+    the slower network (MaxText's `dcn_data_parallelism`).
     Multi-host: `coordinator_address` ("host:port"), `num_processes` and `process_id` are passed
     to `jax.distributed.initialize`; with `distributed: true` and them left null, JAX finds them
     in the cluster's environment (TPU pods, SLURM, ...). `distributed: false` (default) runs
@@ -103,6 +111,7 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    num_slices: int = 1
     distributed: bool = False
     coordinator_address: str | None = None
     num_processes: int | None = None
@@ -112,6 +121,7 @@ class MeshConfig:
         check_field_types(self)
         for name, size in zip(MESH_AXES, self.sizes(), strict=True):
             require(size == -1 or size >= 1, name, size, "a positive integer or -1")
+        require(self.num_slices >= 1, "num_slices", self.num_slices, "a positive integer")
         free = [name for name, size in zip(MESH_AXES, self.sizes(), strict=True) if size == -1]
         if len(free) > 1:
             require(False, free[1], -1, f"a positive integer, since {free[0]} is -1 already "

@@ -37,6 +37,10 @@ def train_parser() -> argparse.ArgumentParser:
                              "GPU topology this host lacks, e.g. tpu-v5p-32, tpu-v6e-16, "
                              "gpu-h200-8 (cem_jax.train.targets.TARGETS), and print per-device "
                              "state bytes, shardings and kernels")
+    parser.add_argument("--num-slices", type=positive_int, metavar="N",
+                        help="with --target: lower for N slices of that topology joined by the "
+                             "data-center network (the override mesh.num_slices=N; MaxText's "
+                             "compile_topology_num_slices)")
     return parser
 
 
@@ -46,11 +50,16 @@ def parse_train_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.target is not None and not args.dry_run:
         parser.error("--target needs --dry-run (it lowers for the target, it does not train)")
+    if args.num_slices is not None:
+        if args.target is None:
+            parser.error("--num-slices needs --target (on a real multislice job, set "
+                         "mesh.num_slices)")
+        args.overrides.append(f"mesh.num_slices={args.num_slices}")
     return args
 
 
 def sample_parser() -> argparse.ArgumentParser:
-    """The arguments of `cem-sample` (`cem_jax.sample.run`)."""
+    """The arguments of `cem-sample` (`cem_jax.cli.sample`)."""
     parser = argparse.ArgumentParser(prog="cem-sample", description="Generate text from a "
                                      "trained run with a cached, compiled decode loop.")
     _checkpoint_arguments(parser)
@@ -68,7 +77,7 @@ def sample_parser() -> argparse.ArgumentParser:
 
 
 def eval_parser() -> argparse.ArgumentParser:
-    """The arguments of `cem-eval` (`cem_jax.evaluate.run`)."""
+    """The arguments of `cem-eval` (`cem_jax.cli.evaluate`)."""
     parser = argparse.ArgumentParser(prog="cem-eval", description="Loss, perplexity and bits "
                                      "per byte of a checkpoint on a text.")
     _checkpoint_arguments(parser)

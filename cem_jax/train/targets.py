@@ -27,7 +27,7 @@ from cem_jax.train.sizing import (
     check_batch_split,
     describe_model,
 )
-from cem_jax.train_config import MESH_AXES, TrainConfig
+from cem_jax.train_config import MESH_AXES, SLICE_AXIS, TrainConfig
 
 
 class Family(NamedTuple):
@@ -98,7 +98,10 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
     `shard_map`) and the step lowers for it. One process lowers for the whole topology, so
     `mesh.distributed` is not acted on.
 
-    Returns {"target", "params": counts by part, "mesh": {axis: size}, "devices",
+    With `mesh.num_slices` > 1 (`--num-slices`) the topology is that many slices of the
+    target, the data axis spanning them.
+
+    Returns {"target", "params": counts by part, "mesh": {axis: size}, "devices", "slices",
     "batch_rows", "tokens_per_step", "lower_s", "bytes_per_device": {"params", "opt_state"}
     (exact, from the shardings), "shardings": {parameter path (layers as *): PartitionSpec},
     "custom_calls": `custom_calls` of the lowered module, "activations_estimate": bytes per
@@ -109,13 +112,16 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
     """
     kind, platform, cores = target.device.device_kind, target.device.platform, \
         target.device.num_cores
+    slices = cfg.mesh.num_slices
+    chips = target.chips * slices
+    of = f"{slices} slices of {target.name}" if slices > 1 else target.name
     try:
-        sizes = mesh_sizes(cfg.mesh, target.chips)
+        sizes = mesh_sizes(cfg.mesh, chips)
     except ValueError as err:
-        raise ValueError(f"--target {target.name} has {target.chips} chips: {err}") from None
+        raise ValueError(f"--target {of} has {chips} chips: {err}") from None
     counts = describe_model(cfg, echo, (
         f"cem-train --dry-run --target {target.name}: lowering one train step for "
-        f"{target.chips} x {kind} ({target.name}) from this host (lowered, not compiled: "
+        f"{chips} x {kind} ({of}) from this host (lowered, not compiled: "
         f"there is no compiler for the target here; nothing is allocated, read or written)"))
     mesh = AbstractMesh(sizes, MESH_AXES, abstract_device=target.device)
     m = cfg.model
@@ -127,9 +133,10 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
                          f"attention there, which JAX traces only where a GPU and cuDNN are; "
                          f"lower on a GPU host, or check the rest of the step here with "
                          f"model.impl=pallas or xla")
+    across = f"; {SLICE_AXIS} spans the slices" if slices > 1 else ""
     trainer, state, batch = abstract_step(
-        cfg, mesh, echo, f"{target.chips} chips of {target.name} (device kind {kind!r}), "
-        f"{cores} core{'s' * (cores > 1)} each")
+        cfg, mesh, echo, f"{chips} chips of {of} (device kind {kind!r}), "
+        f"{cores} core{'s' * (cores > 1)} each{across}")
     start = time.perf_counter()
     lowered = trainer.train_step.trace(state, batch).lower(
         lowering_platforms=(LOWERING_PLATFORM[platform],))
@@ -142,7 +149,7 @@ def lower_for_target(cfg: TrainConfig, target: Target, echo: Callable[[str], Non
     act = activation_estimate(cfg.model, mesh, check_batch_split(cfg, mesh), cfg.data.seq_len)
     share = _report_memory(cfg, target, state_bytes, act, echo)
     return {"target": target, "params": counts, "mesh": dict(mesh.shape),
-            "devices": target.chips, "batch_rows": cfg.data.batch_size,
+            "devices": chips, "slices": slices, "batch_rows": cfg.data.batch_size,
             "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len, "lower_s": lower_s,
             "bytes_per_device": state_bytes, "shardings": shardings, "custom_calls": calls,
             "activations_estimate": act["total"], "memory_share_estimate": share}

@@ -111,6 +111,9 @@ def test_target_names_give_chips_and_device(name, chips, kind, platform):
     (["--target", "tpu-v6e-16", "mesh.data=-1", "mesh.fsdp=3"],
      "--target tpu-v6e-16 has 16 chips: mesh {'data': -1, 'fsdp': 3, 'tensor': 1}: 16 devices "
      "are not divisible by the fixed axes' product 3"),
+    (["--target", "tpu-v6e-16", "--num-slices", "2", "mesh.data=1", "mesh.fsdp=-1"],
+     "--target 2 slices of tpu-v6e-16 has 32 chips: mesh.num_slices = 2 must divide the data "
+     "axis, which spans the slices (data = 1 on 32 devices)"),
     # cuDNN's attention traces only beside a GPU; auto picks it for a bf16 model on a GPU
     (["--target", "gpu-h200-8", "model.impl=auto"], "--target gpu-h200-8: model.impl='auto' "
      "runs cuDNN's flash attention there, which JAX traces only where a GPU and cuDNN are"),
@@ -120,8 +123,41 @@ def test_a_bad_target_is_named(args, message, capsys):
     assert capsys.readouterr().err.startswith(f"cem-train: error: {message}")
 
 
+def test_the_100m_step_lowers_for_two_v5p_slices(capsys):
+    """`--num-slices 2`: two tpu-v5p-32 slices (32 chips), data spanning them (4 = 2 per
+    slice), fsdp 8 inside each: the per-device state is one slice's with fsdp 8."""
+    assert main(["--config", str(FULL), "--dry-run", "--target", "tpu-v5p-32", "--num-slices",
+                 "2", "mesh.data=-1", "mesh.fsdp=8", "model.impl=pallas"]) == 0
+    out = capsys.readouterr().out
+    assert "lowering one train step for 32 x TPU v5 (2 slices of tpu-v5p-32)" in out
+    assert "mesh: data=4 fsdp=8 tensor=1 (32 chips of 2 slices of tpu-v5p-32" in out
+    assert "data spans the slices" in out
+    param_mib = 4 * ((PARAMS - SMALL) // 8 + SMALL) / 2**20
+    assert f"per device (exact, from the shardings): parameters {param_mib:.1f} MiB" in out
+
+
+def test_a_device_slice_is_its_slice_index_or_a_run_of_host_devices():
+    from types import SimpleNamespace
+
+    from cem_jax.sharding import device_slices
+
+    tpus = [SimpleNamespace(id=i, slice_index=i % 2) for i in range(8)]
+    assert [[d.id for d in g] for g in device_slices(tpus, 2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    with pytest.raises(ValueError, match=r"the 8 devices are in 2 slice\(s\) of \[4, 4\] "
+                                         r"devices, but mesh.num_slices = 1: set "
+                                         r"mesh.num_slices=2"):
+        device_slices(tpus, 1)
+    hosts = [SimpleNamespace(id=i) for i in range(8)]
+    assert [[d.id for d in g] for g in device_slices(hosts, 4)] == [[0, 1], [2, 3], [4, 5],
+                                                                     [6, 7]]
+
+
 def test_target_needs_dry_run(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", str(FULL), "--target", "tpu-v6e-16"])
     assert exit_info.value.code == 2
     assert "--target needs --dry-run" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(FULL), "--dry-run", "--num-slices", "2"])
+    assert exit_info.value.code == 2
+    assert "--num-slices needs --target" in capsys.readouterr().err
