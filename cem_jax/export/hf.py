@@ -4,10 +4,13 @@ code, the ecosystem's way of shipping a new architecture:
     config.json              model_type "cem", auto_map → the two files below, the model fields
     configuration_cem.py     `CEMConfig` (hf_template/, package data)
     modeling_cem.py          `CEMForCausalLM`: an independent PyTorch implementation of
-                             DESIGN.md §1 (full score matrices, no cache)
-    model.safetensors        the tensors under the names of the safetensors export
-    generation_config.json   special ids, use_cache false, the ids of a padded vocabulary as
-                             suppress_tokens
+                             DESIGN.md §1 (full score matrices, a transformers DynamicCache
+                             for generate), fine-tunable as a transformers model (LoRA,
+                             resize_token_embeddings, gradient checkpointing)
+    model.safetensors        its state dict (`hf_tensors`): the safetensors export's names,
+                             each projection an nn.Linear-style `.weight` [out, in]
+    generation_config.json   the special ids (bos = eos = the document start, pad), the ids of
+                             a padded vocabulary as suppress_tokens
     tokenizer.model or tokenizer.json, tokenizer_config.json   (`hf_tokenizer`: the run's
                              tokenizer; prompts start with EOS, as in training and cem-sample)
 
@@ -26,11 +29,13 @@ import json
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 from cem_jax.config import BUILT_IN_KINDS, ModelConfig
 from cem_jax.data import Tokenizer
 from cem_jax.export.hf_tokenizer import suppress_padded, tokenizer_files, write_tokenizer
-from cem_jax.export.output import ExportError, file_in, staged_dir
-from cem_jax.export.safetensors_io import WEIGHTS, write_weights
+from cem_jax.export.output import ExportError, file_in, staged_dir, write_safetensors
+from cem_jax.export.safetensors_io import WEIGHTS, flat_params
 
 TEMPLATE_FILES = ("configuration_cem.py", "modeling_cem.py")
 # ModelConfig fields that choose an implementation or a layout, not the function computed.
@@ -58,7 +63,33 @@ def hf_config(cfg: ModelConfig, ids: dict) -> dict:
     return {"architectures": ["CEMForCausalLM"], "model_type": "cem",
             "auto_map": {"AutoConfig": "configuration_cem.CEMConfig",
                          "AutoModelForCausalLM": "modeling_cem.CEMForCausalLM"},
-            "dtype": cfg.param_dtype, "use_cache": False, **fields, **ids}
+            "dtype": cfg.param_dtype, **fields, **ids}
+
+
+# The projections among the safetensors export's names, by where their model axis D is: first
+# (query [D,H,K], key and value [D,G,K], gate and up [D,F], lm_head [D,V]) or last (out [H,K,D],
+# down [F,D]). The shipped code's `from_cem_layout` reads this layout in PyTorch.
+D_FIRST = ("lm_head", "query", "key", "value", "gate", "up")
+D_LAST = ("out", "down")
+
+
+def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Our parameters → the state dict of the shipped `CEMForCausalLM`: the safetensors
+    export's names (`safetensors_io`), `embed` as `embed.weight` [V,D] and each projection as
+    `<name>.weight` [out, in] (query [D,H,K] → [H·K, D], out [H,K,D] → [D, H·K], ...); norms,
+    preconditioners and DPLR diagonals as they are."""
+    out = {}
+    for name, value in flat_params(params, cfg).items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "embed":
+            out["embed.weight"] = value
+        elif leaf in D_FIRST:
+            out[f"{name}.weight"] = np.ascontiguousarray(value.reshape(cfg.d_model, -1).T)
+        elif leaf in D_LAST:
+            out[f"{name}.weight"] = np.ascontiguousarray(value.reshape(-1, cfg.d_model).T)
+        else:
+            out[name] = value  # C-ordered (flat_params), 0-d kept 0-d
+    return out
 
 
 def export_hf(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path,
@@ -82,8 +113,8 @@ def export_hf(params: dict, cfg: ModelConfig, tokenizer: Tokenizer, out: str | P
         ids = write_tokenizer(stage, tokenizer)
         file_in(stage, "config.json").write_text(json.dumps(hf_config(cfg, ids), indent=2))
         file_in(stage, "generation_config.json").write_text(json.dumps(
-            {**ids, **suppress_padded(tokenizer, cfg.vocab_size), "use_cache": False}, indent=2))
+            {**ids, **suppress_padded(tokenizer, cfg.vocab_size)}, indent=2))
         for name in TEMPLATE_FILES:
             file_in(stage, name).write_text((template / name).read_text())
-        write_weights(stage, params, cfg, {"format": "pt"})
+        write_safetensors(stage, WEIGHTS, hf_tensors(params, cfg), {"format": "pt"})
     return Path(out)

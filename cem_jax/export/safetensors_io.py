@@ -20,8 +20,8 @@ Tensor names (stable; shapes in the model's own layout, fp32 or the run's param 
     layers.{i}.mlp.mixer.down              [F,D]        baseline (untied) only
 
 i = 0 … L-1 whatever `scan_layers` is. `config.json` = {"format": "cem_jax",
-"format_version": 1, "model": every `ModelConfig` field}. The same names and file are the
-weights of the `hf` export.
+"format_version": 1, "model": every `ModelConfig` field}. The `hf` export's weights are these
+names with `embed` and each projection a PyTorch `.weight` [out, in] (`hf.hf_tensors`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ class CEMConfig(PretrainedConfig):
                  recompute_context=False, gradient_wrt="normalized", position="rope",
                  rope_theta=10000.0, rope_type="default", rope_factor=1.0,
                  rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                 rope_original_max_position=8192, norm_eps=1e-5, tie_embeddings=True, **kwargs):
+                 rope_original_max_position=8192, norm_eps=1e-5, tie_embeddings=True,
+                 init_std=0.02, use_cache=True, **kwargs):
         self.vocab_size = vocab_size
         self.d_model = d_model
         self.num_layers = num_layers
@@ -46,11 +47,13 @@ class CEMConfig(PretrainedConfig):
         self.rope_original_max_position = rope_original_max_position
         self.norm_eps = norm_eps
         self.tie_embeddings = tie_embeddings
-        # Names the rest of transformers looks for; embeddings are shared by our own code, not
-        # by transformers' weight tying; there is no key/value cache (each step recomputes).
+        self.init_std = init_std  # a fresh model's (or a resized embedding's) matrices
+        self.use_cache = use_cache
+        # Names the rest of transformers looks for. The head is the embedding by transformers'
+        # weight tying (`CEMForCausalLM._tied_weights_keys`) where tie_word_embeddings says so:
+        # by default where the run tied them.
         self.hidden_size = d_model
         self.num_hidden_layers = num_layers
         self.num_attention_heads = num_heads
-        kwargs["tie_word_embeddings"] = False
-        kwargs.setdefault("use_cache", False)
+        kwargs.setdefault("tie_word_embeddings", tie_embeddings)
         super().__init__(**kwargs)
