@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Train cem_jax on a Cloud TPU VM slice (one host or a pod slice of many), surviving preemption.
+# Train cem_jax on a Cloud TPU VM slice (one host or a pod slice of many), or on several slices
+# joined by the data-center network (--slices N: Cloud TPU multislice), surviving preemption.
 #
 #   launch/tpu_pod.sh --zone us-central2-b --accelerator v4-32 --bucket my-bucket -- \
 #       model.d_model=512 run.steps=20000        # run.dir=gs://my-bucket/runs/cem-jax
@@ -15,8 +16,9 @@
 # command again: cem-train resumes from the newest checkpoint in run.dir, so run.dir must be
 # storage that outlives the slice and that every worker sees: a bucket, `gs://BUCKET/runs/NAME`
 # (--bucket or --run-dir; cem-train and orbax write it themselves, nothing is mounted), or a
-# Filestore/NFS mount (gcsfuse only on request, --gcsfuse). See launch/README.md and
-# docs/pod_training.md. Run with --help for the options.
+# Filestore/NFS mount (gcsfuse only on request, --gcsfuse). With --slices N > 1 the same happens
+# to a queued resource of N nodes, a slice each (see "Several slices" below). See
+# launch/README.md and docs/pod_training.md. Run with --help for the options.
 set -euo pipefail
 
 usage() {
@@ -24,14 +26,21 @@ usage() {
 Usage: launch/tpu_pod.sh [options] [--] [section.key=value ...]
 
 Slice (flag / environment variable, default):
-  --name NAME            TPU_NAME         TPU VM name (cem-jax)
+  --name NAME            TPU_NAME         TPU VM name; with --slices N > 1 the queued
+                                          resource's, its nodes NAME-0 ... NAME-(N-1) (cem-jax)
   --zone ZONE            TPU_ZONE         zone, e.g. us-central2-b (required)
   --project PROJECT      TPU_PROJECT      project (gcloud's default project)
   --accelerator TYPE     TPU_ACCELERATOR  --accelerator-type, e.g. v4-32, v5litepod-16 (v4-8)
   --version RUNTIME      TPU_VERSION      TPU software version (tpu-ubuntu2204-base)
+  --slices N             TPU_SLICES       slices joined by the data-center network (1); N > 1:
+                                          Cloud TPU multislice, a queued resource of N nodes
+                                          of --accelerator each, cem-train gets
+                                          mesh.num_slices=N (the data axis spans the slices)
   --spot                 TPU_SPOT=1       create a spot VM (cheaper, may be preempted)
-  --preemptible          TPU_PREEMPTIBLE=1  create a preemptible VM (older TPU generations)
-  --create-flag FLAG     (repeatable)     extra flag for `tpu-vm create`, e.g. --network=N
+  --preemptible          TPU_PREEMPTIBLE=1  create a preemptible VM (older TPU generations;
+                                          one slice only)
+  --create-flag FLAG     (repeatable)     extra flag for `tpu-vm create` (`queued-resources
+                                          create` with --slices N > 1), e.g. --network=N
 
 Code and environment on the workers:
   --repo-url URL         REPO_URL         git clone URL (default: copy this checkout with scp)
@@ -56,7 +65,8 @@ Training:
 
 Retries (a trainer stopped by a signal, status 75, is run again without counting):
   --max-restarts N       MAX_RESTARTS     runs after a crash or lost slice before giving up (20)
-  --max-waits N          MAX_WAITS        polls for a READY slice per attempt (120)
+  --max-waits N          MAX_WAITS        polls for a READY slice (an ACTIVE queued resource)
+                                          per attempt (120)
   --poll-interval S      POLL_INTERVAL    seconds between polls of the slice state (30)
   --retry-delay S        RETRY_DELAY      seconds before running again after a failure (60)
                          LOCK_LEASE       with a gs:// run.dir, at least this many seconds
@@ -78,6 +88,7 @@ NAME=${TPU_NAME:-cem-jax}
 ZONE=${TPU_ZONE:-}
 PROJECT=${TPU_PROJECT:-}
 ACCELERATOR=${TPU_ACCELERATOR:-v4-8}
+SLICES=${TPU_SLICES:-1}
 VERSION=${TPU_VERSION:-tpu-ubuntu2204-base}
 SPOT=${TPU_SPOT:-0}
 PREEMPTIBLE=${TPU_PREEMPTIBLE:-0}
@@ -111,6 +122,7 @@ while [[ $# -gt 0 ]]; do
     --project) need "$@"; PROJECT=$2; shift 2 ;;
     --accelerator) need "$@"; ACCELERATOR=$2; shift 2 ;;
     --version) need "$@"; VERSION=$2; shift 2 ;;
+    --slices) need "$@"; SLICES=$2; shift 2 ;;
     --spot) SPOT=1; shift ;;
     --preemptible) PREEMPTIBLE=1; shift ;;
     --create-flag) need "$@"; CREATE_FLAGS+=("$2"); shift 2 ;;
@@ -138,6 +150,15 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ -n $ZONE ]] || die "the zone is required: --zone ZONE or TPU_ZONE (see --help)"
+[[ $SLICES =~ ^[1-9][0-9]*$ ]] || die "--slices (TPU_SLICES) must be a positive integer, not" \
+  "'$SLICES'"
+if ((SLICES > 1)) && [[ $PREEMPTIBLE == 1 ]]; then
+  die "--preemptible is for one slice: a queued resource of several takes --spot"
+fi
+for override in "${OVERRIDES[@]}"; do
+  [[ $override != mesh.num_slices=* ]] || die "'$override': the slice count comes from" \
+    "--slices (TPU_SLICES), which passes mesh.num_slices to cem-train"
+done
 for n in MAX_RESTARTS MAX_WAITS POLL_INTERVAL RETRY_DELAY LOCK_LEASE; do
   [[ ${!n} =~ ^[0-9]+$ ]] || die "$n must be a non-negative integer, not '${!n}'"
 done
@@ -169,6 +190,32 @@ fi
 LOCATION=(--zone="$ZONE")
 [[ -z $PROJECT ]] || LOCATION+=(--project="$PROJECT")
 
+# Several slices. One slice is a TPU VM (`gcloud compute tpus tpu-vm ...`), READY when it can
+# run. Several (Cloud TPU multislice) are one queued resource of N nodes, a slice each, ACTIVE
+# once all of them are provisioned, the way Cloud TPU's multislice docs make and reach them:
+# `queued-resources create NAME --node-count=N --node-prefix=NAME ...` (nodes NAME-0 ...
+# NAME-(N-1)), `queued-resources ssh|scp NAME --node=all --worker=all`, and when its spot slices
+# are preempted or it cannot be provisioned (SUSPENDED, FAILED), `delete --force` and create.
+#   https://cloud.google.com/tpu/docs/multislice-introduction
+#   https://cloud.google.com/sdk/gcloud/reference/compute/tpus/queued-resources/create (ssh, scp,
+#   delete alike)
+#   https://cloud.google.com/python/docs/reference/tpu/latest/google.cloud.tpu_v2.types.QueuedResourceState.State
+# No environment is set by hand: the queued resource writes MEGASCALE_NUM_SLICES,
+# MEGASCALE_SLICE_ID and MEGASCALE_COORDINATOR_ADDRESS into each VM's tpu-env metadata, where
+# libtpu and jax.distributed.initialize() find them (jax/_src/clusters/cloud_tpu_cluster.py:
+# process index = slice index * workers per slice + worker; "QueuedResources ... set up these
+# MXLA flags during initialization", https://github.com/AI-Hypercomputer/maxtext/issues/30).
+# Slices created one by one would need them set (as Ray's get_tpu_coordinator_env_vars does).
+if ((SLICES > 1)); then
+  GROUP=queued-resources HEALTHY=ACTIVE STATE_FIELD=state.state
+  ALL_HOSTS=(--node=all --worker=all) FIRST_HOST=(--node=0 --worker=0)
+  DELETE_FLAGS=(--force --quiet)  # --force: deletes the nodes first, whatever their state
+else
+  GROUP=tpu-vm HEALTHY=READY STATE_FIELD=state
+  ALL_HOSTS=(--worker=all) FIRST_HOST=(--worker=0)
+  DELETE_FLAGS=(--quiet)
+fi
+
 # Paths on the workers, relative to the ssh user's home.
 REMOTE_REPO=cem_jax
 REMOTE_VENV=cem_venv
@@ -183,21 +230,26 @@ gcloud_run() {  # gcloud_run ARGS...: run gcloud, or print it with --dry-run
   "$GCLOUD" "$@"
 }
 
-tpu() { gcloud_run compute tpus tpu-vm "$1" "$NAME" "${LOCATION[@]}" "${@:2}"; }
-on_workers() { tpu ssh --worker="$1" --command="$2"; }  # on_workers all|0 COMMAND
+tpu() { gcloud_run compute tpus "$GROUP" "$1" "$NAME" "${LOCATION[@]}" "${@:2}"; }
+on_workers() {  # on_workers all|0 COMMAND: every worker (of every slice), or worker 0 (of slice 0)
+  if [[ $1 == all ]]; then tpu ssh "${ALL_HOSTS[@]}" --command="$2"
+  else tpu ssh "${FIRST_HOST[@]}" --command="$2"; fi
+}
 
 exec 3>&1
 DRY_STATE=MISSING
-slice_state() {  # prints READY, CREATING, PREEMPTED, ..., MISSING (no such slice) or ERROR
+slice_state() {  # prints READY, CREATING, PREEMPTED, ... (a queued resource: ACTIVE,
+  # WAITING_FOR_RESOURCES, PROVISIONING, SUSPENDED, FAILED, ...), MISSING (none) or ERROR
   if [[ $DRY_RUN == 1 ]]; then
-    gcloud_run compute tpus tpu-vm describe "$NAME" "${LOCATION[@]}" --format='value(state)'
+    gcloud_run compute tpus "$GROUP" describe "$NAME" "${LOCATION[@]}" \
+      --format="value($STATE_FIELD)"
     echo "$DRY_STATE"
     return 0
   fi
   local err out
   err=$(mktemp)
-  if out=$("$GCLOUD" compute tpus tpu-vm describe "$NAME" "${LOCATION[@]}" \
-           --format='value(state)' 2>"$err"); then
+  if out=$("$GCLOUD" compute tpus "$GROUP" describe "$NAME" "${LOCATION[@]}" \
+           --format="value($STATE_FIELD)" 2>"$err"); then
     echo "${out:-UNKNOWN}"
   elif grep -qiE 'NOT_FOUND|not found' "$err"; then
     echo MISSING
@@ -210,11 +262,18 @@ slice_state() {  # prints READY, CREATING, PREEMPTED, ..., MISSING (no such slic
 
 create_slice() {
   local flags=(--accelerator-type="$ACCELERATOR" --version="$VERSION")
+  if ((SLICES > 1)); then
+    flags=(--node-count="$SLICES" --node-prefix="$NAME" --accelerator-type="$ACCELERATOR"
+           --runtime-version="$VERSION")
+    say "creating queued resource $NAME: $SLICES slices $NAME-0 ... $NAME-$((SLICES - 1))" \
+        "($ACCELERATOR, $VERSION) in $ZONE"
+  else
+    say "creating $NAME ($ACCELERATOR, $VERSION) in $ZONE"
+  fi
   [[ $SPOT != 1 ]] || flags+=(--spot)
   [[ $PREEMPTIBLE != 1 ]] || flags+=(--preemptible)
-  say "creating $NAME ($ACCELERATOR, $VERSION) in $ZONE"
   if tpu create "${flags[@]}" "${CREATE_FLAGS[@]}"; then
-    DRY_STATE=READY
+    DRY_STATE=$HEALTHY
   else
     say "create failed (no capacity?); trying again"
     return 1
@@ -222,24 +281,28 @@ create_slice() {
 }
 
 NEED_INSTALL=1
-ensure_ready() {  # ensure_ready [KNOWN_STATE]: wait until the slice is READY, making it if needed
+# ensure_ready [KNOWN_STATE]: wait until the slice is READY (a queued resource ACTIVE), making it
+# if needed. A preempted slice, or a queued resource that failed or was suspended (its spot
+# slices preempted), is deleted and created again.
+ensure_ready() {
   local state=${1:-} waits=0 pause
   while true; do
     [[ -n $state ]] || state=$(slice_state)
     pause=1  # no pause after an action that succeeded: look at the state again at once
     case $state in
-      READY) return 0 ;;
+      "$HEALTHY") return 0 ;;
       MISSING) NEED_INSTALL=1; create_slice && pause=0 ;;
-      PREEMPTED|TERMINATED)
+      PREEMPTED|TERMINATED|FAILED|SUSPENDED)
         say "$NAME is $state: deleting and recreating it"
         NEED_INSTALL=1
-        if tpu delete --quiet; then create_slice && pause=0; else say "delete failed"; fi ;;
+        if tpu delete "${DELETE_FLAGS[@]}"; then create_slice && pause=0
+        else say "delete failed"; fi ;;
       STOPPED) say "$NAME is STOPPED: starting it"; tpu start && pause=0 ;;
-      *) say "$NAME is $state: waiting for READY" ;;
+      *) say "$NAME is $state: waiting for $HEALTHY" ;;
     esac
     waits=$((waits + 1))
     if ((waits > MAX_WAITS)); then
-      say "$NAME is not READY after $MAX_WAITS polls; giving up"
+      say "$NAME is not $HEALTHY after $MAX_WAITS polls; giving up"
       exit 1
     fi
     state=""
@@ -254,7 +317,7 @@ upload_source() {  # copy this checkout to every worker (without --repo-url)
       --exclude=__pycache__ --exclude='*.egg-info' --exclude=.pytest_cache \
       --exclude=.hypothesis --exclude=.ruff_cache --exclude=./build --exclude=./dist .
   local rc=0
-  gcloud_run compute tpus tpu-vm scp "$tarball" "$NAME:$REMOTE_REPO.tar.gz" --worker=all \
+  gcloud_run compute tpus "$GROUP" scp "$tarball" "$NAME:$REMOTE_REPO.tar.gz" "${ALL_HOSTS[@]}" \
     "${LOCATION[@]}" || rc=$?
   rm -f "$tarball"
   return "$rc"
@@ -296,7 +359,9 @@ fi
 # shutdown) does not end it: it waits for cem-train, which saves its checkpoint (to the bucket)
 # before it exits 75, and records that status. Nothing here or in the launcher kills cem-train.
 train_script() {
-  local args=(--config "$CONFIG" "run.dir=$RUN_DIR" mesh.distributed=true "${OVERRIDES[@]}")
+  local args=(--config "$CONFIG" "run.dir=$RUN_DIR" mesh.distributed=true)
+  ((SLICES == 1)) || args+=("mesh.num_slices=$SLICES")
+  args+=("${OVERRIDES[@]}")
   local envs=""
   [[ ${#TRAIN_ENV[@]} -eq 0 ]] || envs="env $(printf '%q ' "${TRAIN_ENV[@]}")"
   # shellcheck disable=SC2016  # expanded on the workers
@@ -343,8 +408,12 @@ while [ -n "$pid" ] && ps -p "$pid" -o args= | grep -q cem_launch/train.sh; do s
 rc=$(cat cem_launch/rc 2>/dev/null || echo 255)
 echo "cem-launch-exit=$rc on $(hostname)"; exit "$rc"'
 
-attempt() {  # one run: install if the slice is new, start, stream, wait; returns the status
-  if [[ $NEED_INSTALL == 1 ]]; then
+# One run: install if the slice is new, start, stream, wait; returns the status. Several slices
+# install before every run (quick when nothing changed): Cloud TPU's auto-repair replaces a slice
+# of an ACTIVE multislice queued resource after a maintenance event or a hardware failure with
+# new VMs, whose disks are empty (multislice-introduction, "Autorepair").
+attempt() {
+  if [[ $NEED_INSTALL == 1 ]] || ((SLICES > 1)); then
     if [[ -z $REPO_URL ]]; then upload_source || return 255; fi
     on_workers all "$(install_command)" || return 255
     NEED_INSTALL=0
@@ -389,7 +458,7 @@ while true; do
     exit 0
   fi
   state=$(slice_state)
-  if [[ $state == READY && ($rc == 2 || $rc == 3) ]]; then
+  if [[ $state == "$HEALTHY" && ($rc == 2 || $rc == 3) ]]; then
     say "cem-train $([[ $rc == 2 ]] && echo "cannot run as configured" || echo "diverged")" \
         "(status $rc) on a healthy slice; not retrying (its last line says why)"
     exit "$rc"

@@ -1,7 +1,8 @@
 """The launch scripts under launch/: shellcheck-clean, and run against stand-ins.
 
-`tpu_pod.sh` runs against a fake `gcloud` that models a TPU slice of N workers: each worker is a
-home directory, `ssh --command=...` runs the command there with bash (so the install, launch,
+`tpu_pod.sh` runs against a fake `gcloud` that models a TPU slice of N workers (`tpu-vm`), or a
+queued resource of S such slices (`queued-resources`, `--slices S`): each worker is a home
+directory, `ssh --command=...` runs the command there with bash (so the install, launch,
 log-stream and status commands really execute), the package's `uv` and the trainer are stubs
 that record their arguments (a `gs://` run.dir is only passed on: nothing here touches a
 bucket). `gpu_slurm.sbatch` runs with stub `srun`/`scontrol`/`cem-train`
@@ -74,11 +75,23 @@ with open(root / "calls.jsonl", "a") as f:
 plan = json.loads((root / "plan.json").read_text())
 state_file = root / "state"
 state = state_file.read_text() if state_file.exists() else plan["initial"]
-homes = [root / "workers" / str(i) for i in range(plan["workers"])]
+# One slice is a TPU VM (READY); several are the nodes of one queued resource (ACTIVE). Worker w
+# of slice n is worker n * workers + w here: its home and its FAKE_WORKER.
+slices, per_slice = plan.get("slices", 1), plan["workers"]
+homes = [root / "workers" / str(i) for i in range(slices * per_slice)]
+group, ready = ("queued-resources", "ACTIVE") if slices > 1 else ("tpu-vm", "READY")
+# A queued resource being made: queued, provisioned, then ACTIVE; a TPU VM: CREATING, READY.
+after = {{"WAITING_FOR_RESOURCES": "PROVISIONING", "PROVISIONING": "ACTIVE", "CREATING": "READY"}}
 
 
-def flag(name):
-    return next(a.split("=", 1)[1] for a in argv if a.startswith(name + "="))
+def flag(name, default=None):
+    return next((a.split("=", 1)[1] for a in argv if a.startswith(name + "=")), default)
+
+
+def chosen(i):  # whether --node (queued resources; a TPU VM is node 0) and --worker name i
+    node, worker = flag("--node", "0"), flag("--worker")
+    return ((node == "all" or int(node) == i // per_slice)
+            and (worker == "all" or int(worker) == i % per_slice))
 
 
 def count(kind):  # how many times this kind of ssh command ran before
@@ -90,40 +103,43 @@ def count(kind):  # how many times this kind of ssh command ran before
     return n
 
 
-assert argv[:3] == ["compute", "tpus", "tpu-vm"], argv
+assert argv[:3] == ["compute", "tpus", group], argv
 verb = argv[3]
 if verb == "describe":
+    assert flag("--format") == ("value(state.state)" if slices > 1 else "value(state)"), argv
     if state == "MISSING":
-        sys.exit("ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: Resource "
+        sys.exit(f"ERROR: (gcloud.compute.tpus.{{group}}.describe) NOT_FOUND: Resource "
                  "'projects/p/locations/z/nodes/n' was not found")
     print(state)
-    if state == "CREATING":
-        state_file.write_text("READY")
+    if state in after:
+        state_file.write_text(after[state])
 elif verb == "create":
     assert state == "MISSING", state
+    assert slices == 1 or flag("--node-count") == str(slices), argv
     for home in homes:  # a new slice: empty boot disks
         shutil.rmtree(home, ignore_errors=True)
         home.mkdir(parents=True)
-    state_file.write_text("CREATING" if plan.get("slow_create") else "READY")
+    made = "WAITING_FOR_RESOURCES" if slices > 1 else "CREATING"
+    state_file.write_text(made if plan.get("slow_create") else ready)
 elif verb == "delete":
     shutil.rmtree(root / "workers")
     state_file.write_text("MISSING")
 elif verb == "scp":
     source, dest = argv[4], argv[5]
-    assert flag("--worker") == "all"
+    assert flag("--worker") == "all" and flag("--node", "all") == "all", argv
     shutil.copy(source, root / "uploaded.tar.gz")
     for home in homes:
         shutil.copy(source, home / dest.split(":", 1)[1])
 elif verb == "ssh":
-    if state != "READY":
+    if state != ready:
         sys.exit(print("ssh: connect to host 10.0.0.2 port 22: Connection refused",
                        file=sys.stderr) or 255)
-    worker, command = flag("--worker"), flag("--command")
+    command = flag("--command")
     kind = ("status" if "cem-launch-exit" in command else "stream" if "tail" in command
             else "launch" if "nohup" in command else "install")
     n = count(kind)
-    if n in plan.get("preempt", {{}}).get(kind, []):
-        state_file.write_text("PREEMPTED")
+    if n in plan.get("preempt", {{}}).get(kind, []):  # a queued resource: SUSPENDED or FAILED
+        state_file.write_text(plan.get("preempted_as", "PREEMPTED"))
         sys.exit(print("Connection to 10.0.0.2 closed by remote host.", file=sys.stderr) or 255)
     if n in plan.get("gcloud_error", {{}}).get(kind, []):  # gcloud fails, the slice is fine
         sys.exit("ERROR: (gcloud.compute.tpus.tpu-vm.ssh) could not fetch resource")
@@ -135,7 +151,7 @@ elif verb == "ssh":
     codes = [subprocess.run(["bash", "-c", command], cwd=home, env={{
                  **os.environ, "HOME": str(home), "FAKE_WORKER": str(i),
                  "PATH": f"{{root / 'workerbin'}}:{{os.environ['PATH']}}"}}).returncode
-             for i, home in enumerate(homes) if worker == "all" or int(worker) == i]
+             for i, home in enumerate(homes) if chosen(i)]
     sys.exit(next((c for c in codes if c), 0))
 else:
     sys.exit(f"fake gcloud: unexpected {{argv}}")
@@ -152,7 +168,7 @@ with open(root / "uv.jsonl", "a") as f:
                         "has_pyproject": Path("cem_jax/pyproject.toml").exists()}}) + "\\n")
 if sys.argv[1] == "venv":
     (Path(sys.argv[-1]) / "bin").mkdir(parents=True)
-    (Path(sys.argv[-1]) / "bin" / "python").touch()
+    (Path(sys.argv[-1]) / "bin" / "python").touch(mode=0o755)  # what `[ -x ... ]` looks for
     shutil.copy(root / "fake_trainer", Path(sys.argv[-1]) / "bin" / "cem-train")
 """
 
@@ -215,7 +231,7 @@ def fake_tpu(tmp_path):
         (root / "plan.json").write_text(json.dumps(plan))
         (root / "train_rc").write_text(str(train_rc))
         if plan["initial"] != "MISSING":
-            for i in range(plan["workers"]):
+            for i in range(plan.get("slices", 1) * plan["workers"]):
                 (root / "workers" / str(i)).mkdir(parents=True, exist_ok=True)
         full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
                     "FAKE_TPU": str(root), "SOURCE_DIR": str(source), "POLL_INTERVAL": "0",
@@ -243,16 +259,19 @@ LOC = ["--zone=us-central2-b", "--project=proj"]
 
 
 def _steps(calls):
-    """A gcloud call in short: the verb, and for ssh the worker and what the command does."""
+    """A gcloud call in short: the verb, and for ssh the worker (a queued resource's node:worker)
+    and what the command does."""
     steps = []
     for argv in calls:
         verb = argv[3]
         if verb == "ssh":
-            worker = next(a for a in argv if a.startswith("--worker="))
+            worker = next(a for a in argv if a.startswith("--worker=")).split("=")[1]
+            node = next((a for a in argv if a.startswith("--node=")), None)
             command = next(a for a in argv if a.startswith("--command="))
             kind = ("status" if "cem-launch-exit" in command else "stream" if "tail" in command
                     else "launch" if "nohup" in command else "install")
-            verb = f"ssh {worker.split('=')[1]} {kind}"
+            where = worker if node is None else f"{node.split('=')[1]}:{worker}"
+            verb = f"ssh {where} {kind}"
         steps.append(verb)
     return steps
 
@@ -507,6 +526,150 @@ def test_tpu_help():
     for option in ("--zone", "--accelerator", "--version", "--spot", "--run-dir", "--bucket",
                    "--gcsfuse", "TPU_ZONE", "MAX_RESTARTS", "LOCK_LEASE", "--dry-run"):
         assert option in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# tpu_pod.sh --slices N: one queued resource of N slices (Cloud TPU multislice)
+
+QR = ["compute", "tpus", "queued-resources"]
+TWO_SLICES = {"slices": 2, "workers": 2}  # 2 slices of 2 workers: workers 0, 1 | 2, 3
+
+
+def _trainer_argv(run_dir, *overrides):
+    return ["--config", "configs/shakespeare_cem.yaml", f"run.dir={run_dir}",
+            "mesh.distributed=true", "mesh.num_slices=2", *overrides]
+
+
+def test_tpu_slices_make_one_queued_resource_and_train_on_every_worker_of_every_slice(fake_tpu):
+    proc, got = fake_tpu(
+        [*SLICE, "--slices", "2", "--accelerator", "v5p-16", "--version", "v2-alpha-tpuv5",
+         "--spot", "--run-dir", "gs://b/runs/ms", "--", "mesh.fsdp=8", "run.steps=2"],
+        {**TWO_SLICES, "initial": "MISSING", "slow_create": True})
+    assert proc.returncode == 0, proc.stderr
+    calls = got["calls"]
+    assert _steps(calls) == ["describe", "create", "describe", "describe", "describe", "scp",
+                             "ssh all:all install", "ssh all:all launch", "ssh 0:0 stream",
+                             "ssh all:all status"]
+    assert calls[0] == [*QR, "describe", "pod1", *LOC, "--format=value(state.state)"]
+    assert calls[1] == [*QR, "create", "pod1", *LOC, "--node-count=2", "--node-prefix=pod1",
+                        "--accelerator-type=v5p-16", "--runtime-version=v2-alpha-tpuv5", "--spot"]
+    assert "pod1 is WAITING_FOR_RESOURCES: waiting for ACTIVE" in proc.stderr
+    assert "pod1 is PROVISIONING: waiting for ACTIVE" in proc.stderr
+    assert "creating queued resource pod1: 2 slices pod1-0 ... pod1-1 (v5p-16, " \
+        "v2-alpha-tpuv5) in us-central2-b" in proc.stderr
+    assert calls[5][4:] == [calls[5][4], "pod1:cem_jax.tar.gz", "--node=all", "--worker=all",
+                            *LOC]
+    for argv in calls[6:]:
+        assert argv[:7] == [*QR, "ssh", "pod1", *LOC]
+    assert calls[8][7:9] == ["--node=0", "--worker=0"]  # the stream: slice 0's worker 0
+    # the same trainer command on the 2 workers of each of the 2 slices, with mesh.num_slices=2
+    root = got["root"]
+    argv = _trainer_argv("gs://b/runs/ms", "mesh.fsdp=8", "run.steps=2")
+    assert sorted((t["worker"], t["cwd"], tuple(t["argv"])) for t in got["trains"]) == [
+        (i, str(root / "workers" / str(i) / "cem_jax"), tuple(argv)) for i in range(4)]
+    assert sorted((u["worker"], u["argv"][0]) for u in got["uv"]) == [
+        (i, step) for i in range(4) for step in ("pip", "venv")]
+    assert "step 1: loss 7.5 on worker 0" in proc.stdout
+    assert not [i for i in (1, 2, 3) if f"on worker {i}" in proc.stdout]
+    assert proc.stderr.count("cem-launch-exit=0") == 4
+    assert "training finished; run directory gs://b/runs/ms" in proc.stderr
+
+
+@pytest.mark.parametrize("lost_as", ["SUSPENDED", "FAILED"])
+def test_tpu_slices_recreate_a_suspended_or_failed_queued_resource(fake_tpu, lost_as):
+    proc, got = fake_tpu([*SLICE, "--slices", "2", "--run-dir", "/shared/r", "--",
+                          "run.steps=100"],
+                         {**TWO_SLICES, "initial": "ACTIVE", "preempt": {"stream": [0]},
+                          "preempted_as": lost_as})
+    assert proc.returncode == 0, proc.stderr
+    assert _steps(got["calls"]) == [
+        "describe", "scp", "ssh all:all install", "ssh all:all launch", "ssh 0:0 stream",
+        "ssh all:all status", "describe", "delete", "create", "describe", "scp",
+        "ssh all:all install", "ssh all:all launch", "ssh 0:0 stream", "ssh all:all status"]
+    assert got["calls"][7] == [*QR, "delete", "pod1", *LOC, "--force", "--quiet"]
+    assert got["calls"][8] == [*QR, "create", "pod1", *LOC, "--node-count=2",
+                               "--node-prefix=pod1", "--accelerator-type=v4-8",
+                               "--runtime-version=tpu-ubuntu2204-base"]
+    assert f"pod1 is {lost_as}: deleting and recreating it" in proc.stderr
+    assert "restart 1 of 20" in proc.stderr
+    # every worker of both slices ran the identical command twice, installed twice
+    argv = _trainer_argv("/shared/r", "run.steps=100")
+    assert sorted((t["worker"], t["argv"]) for t in got["trains"]) == [
+        (i, argv) for i in range(4) for _ in range(2)]
+    pips = [u["worker"] for u in got["uv"] if u["argv"][0] == "pip"]
+    assert sorted(pips) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert proc.stderr.count("cem-launch-exit=0") == 4
+
+
+def test_tpu_slices_install_before_every_run(fake_tpu):
+    """A queued resource that stayed ACTIVE may have had a slice replaced (auto-repair): the
+    install runs again before the next run, here after a stop (75)."""
+    proc, got = fake_tpu([*SLICE, "--slices", "2", "--run-dir", "/shared/r"],
+                         {**TWO_SLICES, "initial": "ACTIVE"}, train_rc="75\n0")
+    assert proc.returncode == 0, proc.stderr
+    run = ["scp", "ssh all:all install", "ssh all:all launch", "ssh 0:0 stream",
+           "ssh all:all status"]
+    assert _steps(got["calls"]) == ["describe", *run, "describe", *run]
+    assert "stopped by a signal and saved (status 75), slice ACTIVE" in proc.stderr
+    assert len(got["trains"]) == 8
+
+
+def test_tpu_slices_a_training_failure_on_an_active_queued_resource_is_not_retried(fake_tpu):
+    # slice 1's worker 0 (worker 2 of 4) cannot run as configured
+    proc, got = fake_tpu([*SLICE, "--slices", "2", "--run-dir", "/shared/r"],
+                         {**TWO_SLICES, "initial": "ACTIVE"}, train_rc="0 0 2 0")
+    assert proc.returncode == 2, proc.stderr
+    assert _steps(got["calls"])[-1] == "describe"
+    assert _steps(got["calls"]).count("ssh all:all launch") == 1
+    assert sorted(proc.stderr.count(f"cem-launch-exit={c}") for c in (0, 2)) == [1, 3]
+    assert "cannot run as configured (status 2) on a healthy slice; not retrying" in proc.stderr
+
+
+def test_tpu_dry_run_with_slices_prints_the_queued_resource_commands(fake_tpu):
+    proc, got = fake_tpu([*SLICE, "--slices", "2", "--accelerator", "v4-32", "--run-dir", "/r",
+                          "--dry-run", "model.steps=2"], {"initial": "MISSING"})
+    assert proc.returncode == 0, proc.stderr
+    assert got["calls"] == []
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("gcloud ")]
+    assert lines[0] == ("gcloud compute tpus queued-resources describe pod1 "
+                        "--zone=us-central2-b --project=proj --format=value\\(state.state\\)")
+    assert lines[1] == ("gcloud compute tpus queued-resources create pod1 --zone=us-central2-b "
+                        "--project=proj --node-count=2 --node-prefix=pod1 "
+                        "--accelerator-type=v4-32 --runtime-version=tpu-ubuntu2204-base")
+    assert [line.split()[3:5] for line in lines[2:]] == [
+        ["queued-resources", verb] for verb in ("describe", "scp", "ssh", "ssh", "ssh", "ssh")]
+    assert [line.split()[8:10] for line in lines[4:]] == [
+        ["--node=all", "--worker=all"], ["--node=all", "--worker=all"],
+        ["--node=0", "--worker=0"], ["--node=all", "--worker=all"]]
+    assert "--node=all --worker=all" in lines[3]  # the scp to every worker of every slice
+    launch = lines[5]
+    assert "mesh.distributed=true" in launch and "mesh.num_slices=2" in launch
+    assert launch.index("mesh.num_slices=2") < launch.index("model.steps=2")
+    assert "nothing was run" in proc.stderr
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--slices", "0"], {}, "--slices (TPU_SLICES) must be a positive integer, not '0'"),
+    ([], {"TPU_SLICES": "two"}, "--slices (TPU_SLICES) must be a positive integer, not 'two'"),
+    (["--slices", "2", "--preemptible"], {},
+     "--preemptible is for one slice: a queued resource of several takes --spot"),
+    (["--slices", "2", "mesh.num_slices=3"], {},
+     "'mesh.num_slices=3': the slice count comes from --slices (TPU_SLICES)"),
+], ids=["zero", "not-a-number", "preemptible", "num-slices-override"])
+def test_tpu_slices_usage_errors(fake_tpu, args, env, message):
+    proc, got = fake_tpu(["--zone", "z", "--run-dir", "/r", *args], {"initial": "MISSING"},
+                         env=env)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert got["calls"] == []
+
+
+def test_tpu_help_documents_slices():
+    proc = subprocess.run(["bash", str(LAUNCH / "tpu_pod.sh"), "--help"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0
+    line = next(x for x in proc.stdout.splitlines() if x.lstrip().startswith("--slices"))
+    assert line.split()[:3] == ["--slices", "N", "TPU_SLICES"]
+    assert "mesh.num_slices=N" in proc.stdout and "queued resource" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------
