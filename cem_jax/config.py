@@ -175,6 +175,11 @@ class ModelConfig:
         """K, the width of one head (defaults to D // H)."""
         return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
 
+    def resolved(self) -> ModelConfig:
+        """The same model with the defaults that null stands for written out (num_kv_heads = G,
+        head_dim = K): two configs of one model compare equal so (cem-import writes them)."""
+        return dataclasses.replace(self, num_kv_heads=self.kv_heads, head_dim=self.head_width)
+
     @property
     def rope_scaling(self) -> RopeScaling:
         """The `rope_*` scaling fields as the `RopeScaling` of the attention layers."""

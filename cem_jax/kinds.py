@@ -182,13 +182,29 @@ def _leaks(reach: Array, allowed: Array) -> bool:
     return float((reach * ~allowed).max()) > 1e-6 * (float(reach.max()) + 1e-30)
 
 
+def _check_energy_shape(kind: Kind, cfg: ModelConfig) -> None:
+    """Raise ValueError unless `kind`'s energy runs on `_random_inputs` and gives [1,T]."""
+    params, y, c = _random_inputs(kind, cfg)
+    try:
+        out = jax.eval_shape(lambda p, y_, c_: kind.energy(p, y_, c_, Context(cfg)), params, y, c)
+    except Exception as err:  # the user's code: say where it failed, as a config error
+        raise ValueError(f"sub-layer kind {kind.name!r}: its energy fails on a random input y, c "
+                         f"{list(y.shape)}: {type(err).__name__}: {err}") from err
+    if getattr(out, "shape", None) != y.shape[:2]:
+        raise ValueError(f"sub-layer kind {kind.name!r}: its energy gives "
+                         f"{getattr(out, 'shape', type(out).__name__)} for y, c {list(y.shape)}; "
+                         f"E(params, y, c, ctx) must give one energy per token, [B,T] "
+                         f"{list(y.shape[:2])}")
+
+
 def check_kind(kind: Kind, cfg: ModelConfig) -> None:
     """Raise ValueError naming what is wrong with a user's `kind` in the model of `cfg`, checked
-    on a random [1,4,D] sequence before a run trains: its energy at token t must read y_t only
-    and the context c_s of s ≤ t only (causal), and a mixer that declares
-    `folds_preconditioner` must scale its update by params["out_scale"]."""
+    on a random [1,4,D] sequence before a run trains: its energy must run and give one energy
+    per token ([B,T]), at token t read y_t only and the context c_s of s ≤ t only (causal), and
+    a mixer that declares `folds_preconditioner` must scale its update by params["out_scale"]."""
     with jax.ensure_compile_time_eval():  # concrete even where a step is being traced
         if kind.energy is not None:
+            _check_energy_shape(kind, cfg)
             wrt_y, wrt_c = _reach(kind, cfg)
             T = wrt_y.shape[0]
             if _leaks(wrt_y, jnp.eye(T, dtype=bool)):

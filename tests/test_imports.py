@@ -56,3 +56,17 @@ def test_a_command_answers_help_before_it_imports_jax(script):
     *usage, last = result.stdout.splitlines()
     assert f"usage: {script} " in "\n".join(usage)
     assert json.loads(last) == [0, []], last
+
+
+def test_cem_train_refuses_a_bad_config_before_it_imports_jax(tmp_path):
+    """A config error is the user's to fix at once: one line and status 2, without the seconds
+    of importing JAX (it was imported before the config was read)."""
+    code = ("import json, sys\nfrom cem_jax.cli.train import main\n"
+            f"status = main(['--config', {str(tmp_path / 'nope.yaml')!r}])\n"
+            f"print(json.dumps([status, sorted(m for m in sys.modules "
+            f"if m.split('.')[0] in {HEAVY!r})]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert json.loads(result.stdout.splitlines()[-1]) == [2, []], result.stdout
+    assert result.stderr == (f"cem-train: configuration error: config file "
+                             f"'{tmp_path / 'nope.yaml'}' does not exist (exit status 2)\n")

@@ -65,11 +65,17 @@ def sample_parser() -> argparse.ArgumentParser:
     _checkpoint_arguments(parser)
     parser.add_argument("--prompt", action="append", default=None,
                         help="prompt text; repeat for a batch (default: one empty prompt)")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=200,
+                        help="tokens to generate per prompt (default: 200)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="softmax temperature; 0 = greedy (default: 0.8)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the k most likely tokens; 0 = no limit (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample among the most likely tokens whose probabilities reach p "
+                             "(nucleus); 1.0 = no limit (default: 1.0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed of the sampling (default: 0)")
     parser.add_argument("--no-stop-at-eos", action="store_true",
                         help="keep generating after the end-of-document token")
     _steps_argument(parser, "decodes")
@@ -89,7 +95,8 @@ def eval_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allow-invalid-utf8", action="store_true",
                         help="read invalid UTF-8 bytes as U+FFFD instead of refusing the text")
     _steps_argument(parser, "evaluates")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (one shows only on a terminal)")
     return parser
 
 

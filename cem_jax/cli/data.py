@@ -146,7 +146,8 @@ def tokenize(cfg: DataConfig, args: argparse.Namespace) -> None:
         tokens = sum(s.tokens for s in split)
         print(f"{name}: {len(split)} shards, {sum(s.documents for s in split):,} documents, "
               f"{tokens:,} tokens")
-    print(f"dataset {root} ({seconds:.1f} s): train with data.corpus={root}")
+    held_out = f" data.val_fraction={cfg.val_fraction}" if cfg.val_fraction else ""
+    print(f"dataset {root} ({seconds:.1f} s): train with data.corpus={root}{held_out}")
 
 
 def _refuse_existing(paths: list[str | Path]) -> None:

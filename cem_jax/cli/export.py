@@ -32,7 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "directory with CEM modeling code).")
     parser.add_argument("--run", required=True, help="run directory")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--format", required=True, choices=FORMATS,
+                        help="safetensors: the parameters, config.json and the tokenizer; hf: a "
+                             "transformers model with its own modeling code "
+                             "(trust_remote_code); hf-llama: a LlamaForCausalLM, for the untied "
+                             "baseline only")
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
     parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)

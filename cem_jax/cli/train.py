@@ -62,12 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     """`main` on parsed arguments (`cem_jax.cli.arguments.parse_train_args`)."""
-    from cem_jax.train.dry_run import dry_run
-    from cem_jax.train.logs import log_to_stdout
-    from cem_jax.train.run import train
     from cem_jax.train_config import load_config
 
-    log_to_stdout()
     try:
         cfg = load_config(args.config, args.overrides)
         check_config_location(args.config, args.overrides, cfg)
@@ -77,6 +73,11 @@ def run_command(args: argparse.Namespace) -> int:
         if not isinstance(err, (ValueError, FileNotFoundError)):
             raise
         return exits.report(ExitStatus.CANNOT_RUN, f"configuration error: {err}")
+    from cem_jax.train.dry_run import dry_run  # JAX loads here, once the config is good
+    from cem_jax.train.logs import log_to_stdout
+    from cem_jax.train.run import train
+
+    log_to_stdout()
     with exits.caught("cem-train"):
         try:
             if args.dry_run:

@@ -10,7 +10,7 @@ import logging
 import jax
 
 from cem_jax import exits
-from cem_jax.config import NOT_IN_MATH
+from cem_jax.config import NOT_IN_MATH, ModelConfig
 from cem_jax.data import Tokenizer, build_tokenizer, files, load_tokenizer
 from cem_jax.data.config import token_stream_fields
 from cem_jax.data.tokenizers import find_tokenizer
@@ -26,7 +26,8 @@ def check_resumed_config(cfg: TrainConfig, run_dir: str, resume_step: int,
     """A resumed run keeps the model and data config of its config.yaml (model fields that only
     choose how the same function is computed aside, `cem_jax.config.NOT_IN_MATH`, and data
     fields outside the token stream, `token_stream_fields`: `NOT_IN_TOKEN_STREAM`, and
-    data.vocab_size beside a given tokenizer), and run.steps is at least the
+    data.vocab_size beside a given tokenizer; any data at step 0, a cem-import's checkpoint,
+    before a token was read), and run.steps is at least the
     resume step (ValueError otherwise). A change of any `optimizer` field, of `run.steps` (to
     train longer, say; the optimizer state does not depend on them, `cem_jax.optim`) or
     of the `NOT_IN_MATH` model fields is allowed, and reported when `report` (a run with steps
@@ -40,17 +41,22 @@ def check_resumed_config(cfg: TrainConfig, run_dir: str, resume_step: int,
     saved_cfg = load_config(files.join(run_dir, "config.yaml"))
     saved, given = saved_cfg.to_dict(), cfg.to_dict()
 
-    def diff(section, keys=None):
+    def diff(section, keys=None):  # keys None: all of the section's
+        keys = saved[section] if keys is None else keys
+        if section == "model":
+            return model_changes(saved_cfg.model, cfg.model, keys)
         old, new = saved[section], given[section]
-        return {f"{section}.{k}": (old[k], new[k]) for k in keys or old if old[k] != new[k]}
+        return {f"{section}.{k}": (old[k], new[k]) for k in keys if old[k] != new[k]}
 
     model_keys = [k for k in saved["model"] if k not in NOT_IN_MATH]
     in_stream = token_stream_fields(saved_cfg.data).keys() | token_stream_fields(cfg.data)
-    data_keys = [k for k in saved["data"] if k in in_stream]
+    # At step 0 (cem-import's checkpoint) no token was read yet: the data may change.
+    data_keys = [k for k in saved["data"] if k in in_stream] if resume_step else []
     for section, keys in (("model", model_keys), ("data", data_keys)):
         if changed := diff(section, keys):
             raise ValueError(f"{run_dir} holds a run with a different {section} config "
-                             f"(saved, given): {changed}; use another run.dir")
+                             f"(saved, given): {changed}; use another run.dir (with "
+                             f"run.init_from={run_dir} to start from its parameters)")
     changed = {**diff("optimizer"), **diff("run", ["steps"]), **diff("model", NOT_IN_MATH)}
     if changed and report:
         logger.warning("resuming with changed settings (saved, given): %s; they apply, the "
@@ -64,16 +70,24 @@ def check_resumed_config(cfg: TrainConfig, run_dir: str, resume_step: int,
         cfg.run, init_from=saved_cfg.run.init_from, init_step=saved_cfg.run.init_step))
 
 
+def model_changes(old: ModelConfig, new: ModelConfig, keys) -> dict[str, tuple]:
+    """{"model.KEY": (old value, new value)} of the fields `keys` that differ between two model
+    sections where the models differ too: a null and the value it stands for (num_kv_heads,
+    head_dim: `ModelConfig.resolved`) are the same model."""
+    raw = [dataclasses.asdict(m) for m in (old, new)]
+    res = [dataclasses.asdict(m.resolved()) for m in (old, new)]
+    return {f"model.{k}": (raw[0][k], raw[1][k]) for k in keys
+            if raw[0][k] != raw[1][k] and res[0][k] != res[1][k]}
+
+
 def init_source(cfg: TrainConfig) -> Run:
     """The run `run.init_from` at checkpoint `run.init_step` (None: its newest), whose model
     section must be `cfg`'s (the `NOT_IN_MATH` fields aside): ValueError naming the fields
     that differ. Raises as `cem_jax.rundir.load_run` (a missing run or step, a corrupt
     checkpoint)."""
     source = load_run(cfg.run.init_from, cfg.run.init_step)
-    old, new = (dataclasses.asdict(c.model) for c in (source.config, cfg))
-    changed = {f"model.{k}": (old[k], new[k]) for k in old
-               if k not in NOT_IN_MATH and old[k] != new[k]}
-    if changed:
+    keys = [k for k in dataclasses.asdict(cfg.model) if k not in NOT_IN_MATH]
+    if changed := model_changes(source.config.model, cfg.model, keys):
         raise ValueError(f"run.init_from {source.directory} holds a model with a different "
                          f"model section (its, given): {changed}; give the model section of "
                          f"{files.join(source.directory, 'config.yaml')}")

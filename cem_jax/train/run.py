@@ -129,8 +129,6 @@ def train(cfg: TrainConfig, hooks: Sequence[SetupHook] = ()) -> dict[str, Any]:
         check_expected_params(cfg)
     check_trainable(cfg.model)
     cache = use_compilation_cache(cfg)  # before anything compiles
-    off = "off" if cfg.run.compilation_cache else "off (run.compilation_cache=false)"
-    logger.info("compilation cache: %s", cache or off)
     if cfg.mesh.distributed:
         jax.distributed.initialize(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
                                    cfg.mesh.process_id)
@@ -153,6 +151,8 @@ def train(cfg: TrainConfig, hooks: Sequence[SetupHook] = ()) -> dict[str, Any]:
     if files.is_file(run_dir):
         raise ValueError(f"run.dir {run_dir} is a file, not a directory; give another run.dir")
     exits.check()  # a signal while JAX was imported or initialized: stop before writing
+    off = "off" if cfg.run.compilation_cache else "off (run.compilation_cache=false)"
+    logger.info("compilation cache: %s", cache or off)  # once the run can start: errors alone
     created = _to_create(run_dir)  # removed if worthless
     try:
         files.make_dirs(run_dir)

@@ -66,6 +66,13 @@ def test_tokenize_a_user_corpus_and_save_the_tokenizer(tmp_path, capsys):
     assert train[1:3] == ["40", f"{sum(map(len, texts)):,}"] and "jsonl" in train
     assert out.count("(1 file)") == 1 and "files)" not in out  # one corpus file, said once
     assert "validation (none: " in out and "milton" not in out
+    plain = tmp_path / "plain"  # --out: a dataset that a run names, and how
+    assert main([*args[:-2], "--out", str(plain)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(f"train with data.corpus={plain}")
+    held = tmp_path / "held"
+    assert main([*args[:-2], "--val-fraction", "0.1", "--out", str(held)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        f"train with data.corpus={held} data.val_fraction=0.1")  # what a run must say too
 
 
 def test_a_tokenizer_to_train_takes_the_model_vocabulary_of_the_config(tmp_path, capsys):

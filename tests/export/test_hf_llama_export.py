@@ -311,8 +311,8 @@ def test_a_llama_config_without_its_sizes_is_named(tmp_path, tokenizer):
 @pytest.mark.slow  # ~10 s: compiles a train step; the import is covered by the tests above
 def test_an_imported_llama3_trains_on(tmp_path, corpus, caplog):
     """A small Llama 3 (llama3 RoPE scaling, GQA, tied head) imported by cem-import starts as
-    a run from its checkpoint 0 (said as such, not as a resume) and takes optimizer steps,
-    keeping its scaling."""
+    a run from its checkpoint 0 (said as such, not as a resume), on a data section of its own
+    (no token was read at step 0), and takes optimizer steps, keeping its scaling."""
     from cem_jax.train import load_config, train
 
     hf = _llama_dir(tmp_path / "hf", {"rope_parameters": {**LLAMA3, "rope_theta": 500000.0},
@@ -325,8 +325,8 @@ def test_an_imported_llama3_trains_on(tmp_path, corpus, caplog):
         "data.seq_len=16", "data.batch_size=4", f"data.cache_dir={corpus / 'cache'}",
         "run.steps=2", "run.log_every=1", "run.eval_every=2", "run.eval_batches=1",
         "run.sample_tokens=0", "run.progress=false"])
-    with caplog.at_level(logging.INFO, logger="cem_jax"):
-        summary = train(load_config(run / "config.yaml"))
+    with caplog.at_level(logging.INFO, logger="cem_jax"):  # on another batch: no token read
+        summary = train(load_config(run / "config.yaml", ["data.batch_size=2"]))
     assert summary["step"] == 2 and np.isfinite(summary["eval"]["loss"])
     assert f"starting {run} from its imported parameters (checkpoint 0)" in caplog.text
     assert "resumed" not in caplog.text
@@ -334,6 +334,6 @@ def test_an_imported_llama3_trains_on(tmp_path, corpus, caplog):
     norms = [r["param_norm"] for r in records if r["kind"] == "train"]
     assert len(norms) == 2 and norms[0] != norms[1]  # the second step moved the weights
     trained = load_run(run)
-    assert trained.step == 2
+    assert trained.step == 2 and trained.config.data.batch_size == 2
     assert (trained.config.model.rope_type, trained.config.model.rope_original_max_position,
             trained.config.model.rope_theta) == ("llama3", 64, 500000.0)

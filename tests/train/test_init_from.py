@@ -5,6 +5,8 @@ model in hand, as a notebook has one."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from cem_jax.data import load_tokenizer, make_train_iterator, train_tokenizer
 from cem_jax.rundir import load_run
 from cem_jax.sharding import global_batch, make_mesh
 from cem_jax.train import load_config, train
+from cem_jax.train.resume import model_changes
 from cem_jax.train.step import Trainer
 
 
@@ -115,3 +118,15 @@ def test_the_train_step_takes_a_model_in_hand_and_gives_it_back():
     assert losses[-1] < 0.5 * losses[0], losses  # a cycle of 4 is learned
     nnx.update(model, jax.device_get(state["params"]))
     np.testing.assert_array_equal(model.embed[...], state["params"]["embed"])
+
+
+def test_a_null_and_the_value_it_stands_for_are_the_same_model():
+    """cem-import writes num_kv_heads and head_dim out; a config leaving them null (G = H,
+    K = D / H) names the same model, for init_from and a resume alike."""
+    base = ModelConfig(vocab_size=64, d_model=32, num_heads=2, mlp_dim=48)
+    keys = list(dataclasses.asdict(base))
+    assert model_changes(base, dataclasses.replace(base, num_kv_heads=2, head_dim=16), keys) == {}
+    assert model_changes(base, dataclasses.replace(base, d_model=64), keys) == {
+        "model.d_model": (32, 64)}  # head_dim follows, null in both: not a change of its own
+    assert model_changes(base, dataclasses.replace(base, num_kv_heads=1), keys) == {
+        "model.num_kv_heads": (None, 1)}

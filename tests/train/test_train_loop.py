@@ -421,7 +421,8 @@ def test_a_run_dir_in_use_or_not_a_directory_is_refused(tiny_overrides, tmp_path
     assert not (run_dir / "checkpoints").exists()
     (tmp_path / "file").write_text("x")
     assert main([*args, f"run.dir={tmp_path / 'file'}"]) == 2
-    assert "is a file, not a directory" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "is a file, not a directory" in err and out == ""  # one line, nothing before it
     assert main([*args, f"run.dir={tmp_path / 'file' / 'run'}"]) == 2
     assert "Not a directory" in capsys.readouterr().err
     assert main([*args, f"run.dir={run_dir}"]) == 0  # the lock was released

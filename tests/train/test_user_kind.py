@@ -192,6 +192,25 @@ def test_cem_train_refuses_a_kind_that_peeks_ahead_or_drops_a_folded_p():
     with pytest.raises(ValueError, match="reads the context of later tokens"):
         check_kind(Kind("peeking", "attention", params, peeking), cfg)
 
+    def summed(p, y, c, ctx):  # one energy for the whole sequence, not one per token
+        return jnp.sum(y * c * p["w"])
+
+    def wide(p, y, c, ctx):  # per feature, not per token
+        return y * c * p["w"]
+
+    def broken(p, y, c, ctx):
+        return y[:, :, :, 0]
+
+    with pytest.raises(ValueError, match=r"'summed': its energy gives \(\) for y, c \[1, 4, "
+                                         r"16\]; E\(params, y, c, ctx\) must give one energy per "
+                                         r"token, \[B,T\] \[1, 4\]"):
+        check_kind(Kind("summed", "mlp", params, summed), cfg)
+    with pytest.raises(ValueError, match=r"'wide': its energy gives \(1, 4, 16\)"):
+        check_kind(Kind("wide", "mlp", params, wide), cfg)
+    with pytest.raises(ValueError, match=r"'broken': its energy fails on a random input y, c "
+                                         r"\[1, 4, 16\]: IndexError: Too many indices"):
+        check_kind(Kind("broken", "mlp", params, broken), cfg)
+
     def ignores_p(p, ctx):  # a closed form that never reads params["out_scale"]
         return Mixer(lambda c, index: c, lambda y, c: y * p["w"], None)
 
