@@ -124,7 +124,8 @@ def test_an_imported_llama_fine_tunes_on_two_processes(tiny_overrides, tmp_path)
     import_llama(tmp_path / "hf", tmp_path / "run", overrides=[*data, "run.steps=2",
                                                                "run.sample_tokens=0"])
     outputs = _two_processes(["--config", str(tmp_path / "run" / "config.yaml")])
-    assert "resumed" in outputs[0] and "validation after 2 steps" in outputs[0]
+    assert "from its imported parameters (checkpoint 0)" in outputs[0]
+    assert "validation after 2 steps" in outputs[0]
     assert sorted(train_losses(tmp_path / "run")) == [1, 2]
 
 
