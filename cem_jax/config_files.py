@@ -11,11 +11,12 @@ the field, the value and what is allowed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,6 +50,14 @@ class ConfigFieldError(ValueError):
         super().__init__(f"config field {field!r} = {value!r} is invalid: it must be {allowed}")
 
 
+class UnknownFieldError(ValueError):
+    """A key that is not a field of its section; `field` names it (`section.key`)."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
+
+
 def require(ok: bool, field: str, value: Any, allowed: str) -> None:
     """Raise `ConfigFieldError` unless `ok`."""
     if not ok:
@@ -76,8 +85,9 @@ def from_dict(cls: type[T], values: dict[str, Any], *, section: str = "") -> T:
             derived = getattr(cls, "SET_THROUGH", {}).get(key)
             hint = (f": it is computed; set {derived} instead" if derived
                     else did_you_mean(key, sorted(fields)))
-            raise ValueError(f"unknown config field {key!r}{where}{hint} "
-                             f"(known: {', '.join(sorted(fields))})")
+            raise UnknownFieldError(f"{section}.{key}" if section else key,
+                                    f"unknown config field {key!r}{where}{hint} "
+                                    f"(known: {', '.join(sorted(fields))})")
     floats = {f.name for f in dataclasses.fields(cls) if str(f.type).startswith("float")}
     values = {k: _as_float(v) if k in floats else v for k, v in values.items()}
     try:
@@ -160,6 +170,34 @@ def _resolve_bases(path: Path, named_by: tuple[Path, ...]) -> dict[str, Any]:
                                 f"{str(base_path)!r} {what} (a base is a path relative to "
                                 f"the file that names it)")
     return _merge(_resolve_bases(base_path, chain), values)
+
+
+@contextlib.contextmanager
+def naming_the_file(path: str | Path | None, overrides: Sequence[str] = ()) -> Iterator[None]:
+    """Within it, an unknown or invalid field read from YAML file `path` raises `ValueError`
+    naming the file of `path`'s `base:` chain that sets it (`config file 'a.yaml': unknown
+    config field ...`); a field an override sets, or none of the files, is left as it is."""
+    try:
+        yield
+    except (ConfigFieldError, UnknownFieldError) as err:
+        source = None if path is None else _file_setting(Path(path), err.field, overrides)
+        if source is None:
+            raise
+        raise ValueError(f"config file {str(source)!r}: {err}") from None
+
+
+def _file_setting(path: Path, field: str, overrides: Sequence[str]) -> Path | None:
+    """The file of `path`'s (valid) base chain whose value of `field` (`section.key`)
+    `load_yaml` keeps, or None when an override or no file sets it."""
+    section, _, key = field.partition(".")
+    if not key or any(o.partition("=")[0] == field for o in overrides):
+        return None
+    while path is not None:
+        values = _read_yaml(path)
+        if isinstance(values.get(section), dict) and key in values[section]:
+            return path
+        path = path.parent / values[BASE_KEY] if BASE_KEY in values else None
+    return None
 
 
 def _merge(base: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
@@ -260,4 +298,5 @@ def load_section(cls: type[T], section: str, path: str | Path | None = None,
                              f"one read here")
     values = apply_overrides(load_yaml(path) if path is not None else {}, overrides,
                              {section: cls})
-    return from_dict(cls, values.get(section) or {}, section=section)
+    with naming_the_file(path, overrides):
+        return from_dict(cls, values.get(section) or {}, section=section)

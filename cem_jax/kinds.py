@@ -39,6 +39,7 @@ from cem_jax.config import KIND_CACHES, KIND_NAMES, ModelConfig
 from cem_jax.config_files import did_you_mean
 from cem_jax.energies import AttentionSpec, attention_energy, get_activation, mlp_energy
 from cem_jax.kvcache import Cache
+from cem_jax.sharding import LOGICAL_RULES
 from cem_jax.updates import (
     Mixer,
     llama_attention_mixer,
@@ -197,11 +198,26 @@ def _check_energy_shape(kind: Kind, cfg: ModelConfig) -> None:
                          f"{list(y.shape[:2])}")
 
 
+def _check_params(kind: Kind, cfg: ModelConfig) -> None:
+    """Raise ValueError unless each of `kind`'s parameters names one logical axis (a rule of
+    `cem_jax.sharding.LOGICAL_RULES`, or None) per dimension."""
+    for name, param in kind.params(cfg).items():
+        unknown = [a for a in param.axes if a is not None and a not in LOGICAL_RULES]
+        if unknown or len(param.axes) != len(param.shape):
+            raise ValueError(
+                f"sub-layer kind {kind.name!r}: parameter {name!r} of shape {param.shape} names "
+                f"logical axes {param.axes}; give one per dimension, each one of "
+                f"{', '.join(n for n in LOGICAL_RULES if n not in ('batch', 'length'))} or None "
+                f"(replicated)")
+
+
 def check_kind(kind: Kind, cfg: ModelConfig) -> None:
     """Raise ValueError naming what is wrong with a user's `kind` in the model of `cfg`, checked
-    on a random [1,4,D] sequence before a run trains: its energy must run and give one energy
-    per token ([B,T]), at token t read y_t only and the context c_s of s ≤ t only (causal), and
-    a mixer that declares `folds_preconditioner` must scale its update by params["out_scale"]."""
+    on a random [1,4,D] sequence before a run trains: each parameter names one known logical
+    axis (or None) per dimension, its energy must run and give one energy per token ([B,T]), at
+    token t read y_t only and the context c_s of s ≤ t only (causal), and a mixer that declares
+    `folds_preconditioner` must scale its update by params["out_scale"]."""
+    _check_params(kind, cfg)
     with jax.ensure_compile_time_eval():  # concrete even where a step is being traced
         if kind.energy is not None:
             _check_energy_shape(kind, cfg)
@@ -228,6 +244,14 @@ def check_kind(kind: Kind, cfg: ModelConfig) -> None:
                                  f"params['out_scale'] (P would be lost): scale its output "
                                  f"projection by params.get('out_scale', 1.0), or leave "
                                  f"folds_preconditioner False")
+
+
+def check_user_kinds(cfg: ModelConfig) -> None:
+    """`check_kind` for each kind of the model of `cfg` that a user registered (the built-in
+    ones are tested); cem-train and its dry run call it before anything compiles."""
+    for kind in model_kinds(cfg):
+        if kind.name not in BUILT_IN:
+            check_kind(kind, cfg)
 
 
 @functools.cache  # once per kind and config: init_cache asks at every decode

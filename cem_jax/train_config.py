@@ -22,6 +22,7 @@ from cem_jax.config_files import (
     from_dict,
     import_modules,
     load_yaml,
+    naming_the_file,
     require,
 )
 from cem_jax.data import DataConfig, files
@@ -303,13 +304,14 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     overrides.
 
     Raises FileNotFoundError (no such file or base) or ValueError (bad YAML, a cycle of bases,
-    an unknown or invalid field).
+    an unknown or invalid field: one set in a file names the file of the chain that sets it).
     """
     if path is not None and files.is_url(str(path)):  # a run directory's config.yaml
-        values = _read_url_yaml(str(path))
-    else:
-        values = load_yaml(path) if path is not None else {}
-    return config_from_dict(apply_overrides(values, list(overrides), SECTIONS))
+        return config_from_dict(apply_overrides(_read_url_yaml(str(path)), list(overrides),
+                                                SECTIONS))
+    values = load_yaml(path) if path is not None else {}
+    with naming_the_file(path, overrides):
+        return config_from_dict(apply_overrides(values, list(overrides), SECTIONS))
 
 
 def _read_url_yaml(url: str) -> dict[str, Any]:

@@ -106,6 +106,25 @@ def test_base_errors_name_both_files(tmp_path):
         load_yaml(a)
 
 
+def test_a_bad_field_names_the_file_of_the_chain_that_sets_it(tmp_path):
+    from cem_jax.train_config import load_config
+    root, leaf = tmp_path / "root.yaml", tmp_path / "leaf.yaml"
+    root.write_text("model: {nmu_layers: 2, d_model: 64, num_heads: 4}\n")
+    leaf.write_text("base: root.yaml\nrun: {steps: 3}\n")
+    for load in (load_config, load_model_config):
+        with pytest.raises(ValueError, match=re.escape(
+                f"config file '{root}': unknown config field 'nmu_layers' in section 'model'; "
+                f"did you mean 'num_layers'?")):
+            load(leaf, [])
+    root.write_text("model: {num_layers: 0}\n")
+    leaf.write_text("base: root.yaml\nmodel: {num_layers: -1}\n")
+    with pytest.raises(ValueError, match=re.escape(
+            f"config file '{leaf}': config field 'model.num_layers' = -1 is invalid")):
+        load_config(leaf, [])
+    with pytest.raises(ValueError, match=r"^config field 'model.num_layers' = -2 is invalid"):
+        load_config(leaf, ["model.num_layers=-2"])  # an override: no file to name
+
+
 def test_load_section_reads_only_its_section(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model: {d_model: 64, num_heads: 4}\ndata: {seq_len: 7}\n")

@@ -58,15 +58,22 @@ def test_a_command_answers_help_before_it_imports_jax(script):
     assert json.loads(last) == [0, []], last
 
 
-def test_cem_train_refuses_a_bad_config_before_it_imports_jax(tmp_path):
-    """A config error is the user's to fix at once: one line and status 2, without the seconds
-    of importing JAX (it was imported before the config was read)."""
-    code = ("import json, sys\nfrom cem_jax.cli.train import main\n"
-            f"status = main(['--config', {str(tmp_path / 'nope.yaml')!r}])\n"
+@pytest.mark.parametrize("command,args,error,heavy", [
+    ("train", ["--config"], "cem-train: configuration error: config file '{}' does not exist "
+                            "(exit status 2)", HEAVY),
+    ("study", [], "cem-study: error: {} does not exist: give the study's YAML file, e.g. "
+                  "docs/study/study.yaml", tuple(m for m in HEAVY if m != "scipy"))])
+def test_a_command_refuses_a_missing_file_before_it_imports_jax(tmp_path, command, args, error,
+                                                                 heavy):
+    """A config or study file error is the user's to fix at once: one line and status 2,
+    without the seconds of importing JAX (it was imported before the file was read). A study
+    file's seeds are planned with scipy (`cem_jax.stats`), which loads in a fraction of that."""
+    missing = str(tmp_path / "nope.yaml")
+    code = (f"import json, sys\nfrom cem_jax.cli.{command} import main\n"
+            f"status = main({[*args, missing]!r})\n"
             f"print(json.dumps([status, sorted(m for m in sys.modules "
-            f"if m.split('.')[0] in {HEAVY!r})]))")
+            f"if m.split('.')[0] in {heavy!r})]))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert json.loads(result.stdout.splitlines()[-1]) == [2, []], result.stdout
-    assert result.stderr == (f"cem-train: configuration error: config file "
-                             f"'{tmp_path / 'nope.yaml'}' does not exist (exit status 2)\n")
+    assert result.stderr == error.format(missing) + "\n"

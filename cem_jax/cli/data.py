@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cem_jax import exits
+from cem_jax.cli.failures import failed
 from cem_jax.config import ModelConfig
 from cem_jax.config_files import load_section
 from cem_jax.data import files, shakespeare
 from cem_jax.data.config import DataConfig, with_vocab_size
-from cem_jax.data.storage_errors import storage_error
 
 if TYPE_CHECKING:
     import numpy as np
@@ -78,14 +78,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"cem-data {args.command.__name__}: interrupted; finished units are kept, and "
               f"the same command resumes at the first unfinished one", file=sys.stderr)
         return 128 + (exits.received() or signal.SIGINT)
-    except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
-        if (said := storage_error(err)) is not None:
-            print(f"cem-data {args.command.__name__}: error: {said}", file=sys.stderr)
-            return 1
-        if not isinstance(err, (ValueError, FileNotFoundError, shakespeare.FetchError)):
-            raise
-        print(f"cem-data {args.command.__name__}: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:
+        return failed(f"cem-data {args.command.__name__}", err,
+                      (ValueError, FileNotFoundError, shakespeare.FetchError))
 
 
 def fetch(cfg: DataConfig, args: argparse.Namespace) -> None:

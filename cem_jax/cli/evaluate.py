@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from cem_jax.cli.arguments import eval_parser
+from cem_jax.cli.failures import failed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,7 +26,6 @@ def run_command(args: argparse.Namespace) -> int:
     from cem_jax.checkpoint import CheckpointError
     from cem_jax.compilation_cache import use_compilation_cache
     from cem_jax.data import FetchError
-    from cem_jax.data.storage_errors import storage_error
     from cem_jax.evaluate import describe, evaluate_run
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
 
@@ -35,14 +35,9 @@ def run_command(args: argparse.Namespace) -> int:
         use_compilation_cache(run.config)
         result = evaluate_run(run, args.text, args.corpus, progress=not args.no_progress,
                               allow_invalid_utf8=args.allow_invalid_utf8, steps=args.steps)
-    except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
-        if (said := storage_error(err)) is not None:
-            print(f"cem-eval: error: {said}", file=sys.stderr)
-            return 1
-        if not isinstance(err, (FileNotFoundError, CheckpointError, FetchError, ValueError)):
-            raise
-        print(f"cem-eval: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:
+        return failed("cem-eval", err, (FileNotFoundError, CheckpointError, FetchError,
+                                        ValueError))
     recursion = f" with {args.steps} CEM steps per sub-layer" if args.steps else ""
     print(f"{args.text or args.corpus} at step {run.step}{recursion}: {describe(result)} "
           f"({result['tokens']:,} tokens, {result['bytes']:,} bytes)")

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Sequence
+
+from cem_jax.cli.failures import failed
 
 FORMATS = ("safetensors", "hf-llama", "hf")
 OVERWRITE_HELP = ("replace an earlier cem-export or cem-import output in --out, once the new one "
@@ -57,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = load_run(args.run, args.step)
         out = write(run.params, run.config.model, run.tokenizer, args.out, args.overwrite)
     except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
-        return _failed("cem-export", err, (ExportError, CheckpointError, FileNotFoundError,
+        return failed("cem-export", err, (ExportError, CheckpointError, FileNotFoundError,
                                            FileExistsError, ValueError))
     print(f"wrote {args.format} export of {run.directory} step {run.step} to {out}")
     return 0
@@ -85,22 +86,7 @@ def import_main(argv: Sequence[str] | None = None) -> int:
         check_destination(args.out, args.overwrite, args.hf, files(tokenizer_name))
         out = import_llama(args.hf, args.out, args.config, args.overrides, args.overwrite)
     except Exception as err:
-        return _failed("cem-import", err, (ExportError, FileNotFoundError, FileExistsError,
+        return failed("cem-import", err, (ExportError, FileNotFoundError, FileExistsError,
                                            ValueError))
     print(f"wrote baseline run directory {out} (checkpoint 0) from {args.hf}")
     return 0
-
-
-def _failed(program: str, err: Exception, refusals: tuple[type[Exception], ...]) -> int:
-    """The exit status of a command that `err` ended, after its one line on stderr: 1 for a
-    storage failure (`storage_error`: run it again), 2 for one of `refusals` (the input or
-    --out as given); any other error is a crash: raised (its traceback, status 1)."""
-    from cem_jax.data.storage_errors import storage_error
-
-    if (said := storage_error(err)) is not None:
-        print(f"{program}: error: {said}", file=sys.stderr)
-        return 1
-    if not isinstance(err, refusals):
-        raise err
-    print(f"{program}: error: {err}", file=sys.stderr)
-    return 2

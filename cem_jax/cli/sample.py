@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from cem_jax.cli.arguments import sample_parser
+from cem_jax.cli.failures import failed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,7 +28,6 @@ def run_command(args: argparse.Namespace) -> int:
 
     from cem_jax.checkpoint import CheckpointError
     from cem_jax.compilation_cache import use_compilation_cache
-    from cem_jax.data.storage_errors import storage_error
     from cem_jax.memory import is_out_of_memory
     from cem_jax.rundir import load_run, quiet_checkpoint_logs
     from cem_jax.sample import SamplingConfig, generate
@@ -36,14 +36,8 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         run = load_run(args.run, args.step)
         use_compilation_cache(run.config)
-    except Exception as err:  # a storage failure first: TensorStore's are ValueErrors
-        if (said := storage_error(err)) is not None:
-            print(f"cem-sample: error: {said}", file=sys.stderr)
-            return 1
-        if not isinstance(err, (FileNotFoundError, CheckpointError, ValueError)):
-            raise
-        print(f"cem-sample: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:
+        return failed("cem-sample", err, (FileNotFoundError, CheckpointError, ValueError))
     tok = run.tokenizer
     try:
         sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p,

@@ -36,15 +36,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run `cem-study`; returns its exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    # imported once the arguments are parsed (they import JAX): --help answers at once
-    from cem_jax.compare.report import step_flops
+    from cem_jax.study.plan import flops_steps, load_study  # no JAX: a bad file answers at once
+
+    try:
+        study = load_study(args.study)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"cem-study: error: {err}", file=sys.stderr)
+        return 2
+    from cem_jax.compare.report import step_flops  # these import JAX
     from cem_jax.study.analysis import Results
-    from cem_jax.study.plan import flops_steps, load_study
     from cem_jax.study.records import dirty_tree, read_records, train_and_record
     from cem_jax.study.report import write_report
 
     try:
-        study = load_study(args.study)
         flops = {name: step_flops(load_config(c.file, [*study.overrides, *c.overrides]))
                  for name, c in study.all_configs().items()}
         _check_writable(study.report.parent, "report")

@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 
+from cem_jax.kinds import check_user_kinds
 from cem_jax.optim import check_trainable
 from cem_jax.sharding import (
     make_mesh,
@@ -61,10 +62,11 @@ def dry_run(cfg: TrainConfig, echo: Callable[[str], None] = print,
     "code", "total"} in bytes per device (None if the backend gives no memory analysis),
     "flops": {"analytic_per_step", "analytic_per_device", "xla_per_device" (None if not
     given)}}. Raises ValueError (expected_params mismatch, a `model.param_dtype` the optimizer
-    cannot train, batch not divisible by the mesh,
+    cannot train, a user's kind that `check_kind` refuses, batch not divisible by the mesh,
     an unknown target or one whose chips the mesh section does not fit).
     """
     check_trainable(cfg.model)
+    check_user_kinds(cfg.model)
     if target is not None:
         return lower_for_target(cfg, parse_target(target), echo)
     if cfg.mesh.distributed:

@@ -55,7 +55,7 @@ from cem_jax.data.storage_errors import storage_error
 from cem_jax.evaluate import describe, evaluate
 from cem_jax.exits import StoppedBySignal
 from cem_jax.export.output import unmark_output
-from cem_jax.kinds import BUILT_IN, check_decodable, check_kind, model_kinds
+from cem_jax.kinds import check_decodable, check_user_kinds, model_kinds
 from cem_jax.optim import check_trainable
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
@@ -133,9 +133,7 @@ def train(cfg: TrainConfig, hooks: Sequence[SetupHook] = ()) -> dict[str, Any]:
         jax.distributed.initialize(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
                                    cfg.mesh.process_id)
     m = cfg.model  # an impl this platform cannot run, or a wrong kind, fails before writing
-    for kind in model_kinds(m):
-        if kind.name not in BUILT_IN:
-            check_kind(kind, m)
+    check_user_kinds(m)
     attention_impl(m.impl, jnp.dtype(m.dtype), m.head_width, tied=m.kinds[0] != "llama_attention")
     lead = jax.process_index() == 0
     mesh = make_mesh(cfg.mesh)

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -218,9 +219,37 @@ def test_cem_train_refuses_a_kind_that_peeks_ahead_or_drops_a_folded_p():
                                          "does not scale with params\\['out_scale'\\]"):
         check_kind(Kind("ignores_p", "mlp", params, mixer=ignores_p,
                         folds_preconditioner=True), cfg)
+    def plain(p, y, c, ctx):
+        return jnp.sum(y * c * p["w"], axis=-1)
+
+    for axes in (("embedding",), ("embed", None)):  # an unknown name; one too many
+        with pytest.raises(ValueError, match=re.escape(
+                f"sub-layer kind 'odd_axes': parameter 'w' of shape (16,) names logical axes "
+                f"{axes}; give one per dimension, each one of embed, vocab,")):
+            check_kind(Kind("odd_axes", "mlp", lambda cfg, a=axes: {"w": Param((16,), a)},
+                            plain), cfg)
     check_kind(get_kind("logcosh_pull"), cfg)  # the plugin's kind passes
     for name in ("cem_attention", "cem_dplr_attention", "cem_mlp", "swiglu"):
         check_kind(get_kind(name), dataclasses.replace(cfg, num_heads=2))  # and the built-ins
+
+
+@pytest.mark.slow
+def test_the_dry_run_refuses_a_kind_with_an_unknown_logical_axis(tiny_overrides, tmp_path):
+    source = (HERE / "plugin_kind.py").read_text()
+    (tmp_path / "plugin_kind.py").write_text(source.replace('("embed", "mlp")),\n',
+                                                            '("embed", "hidden")),\n', 1))
+    config = tmp_path / "kind.yaml"
+    config.write_text(yaml.safe_dump({"imports": ["plugin_kind"],
+                                      "model": {"mlp_kind": "logcosh_pull"}}))
+    for extra in ([], ["--target", "tpu-v5p-8"]):
+        result = run_cli(["--config", str(config), *tiny_overrides, "--dry-run", *extra],
+                         env={"PYTHONPATH": str(tmp_path)})
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            "cem-train: error: sub-layer kind 'logcosh_pull': parameter 'w' of "
+            "shape (32, 64) names logical axes ('embed', 'hidden'); give one per dimension, "
+            "each one of embed, vocab, heads, kv_heads, mlp, norm or None (replicated) "
+            "(exit status 2)"]
 
 
 @pytest.mark.slow
