@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from cem_jax.compare.report import step_flops  # these import JAX
     from cem_jax.study.analysis import Results
-    from cem_jax.study.records import dirty_tree, read_records, train_and_record
+    from cem_jax.study.records import dirty_tree, outputs, read_records, train_and_record
     from cem_jax.study.report import write_report
 
     try:
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_writable(study.report.parent, "report")
         if not args.report_only:
             _check_writable(study.records, "records")
-            dirty = dirty_tree(outputs=(study.records, study.report.with_suffix("")))
+            dirty = dirty_tree(outputs=outputs(study))
             if dirty:
                 raise ValueError(f"cannot record runs: {dirty} (--report-only needs no clean "
                                  "tree)")

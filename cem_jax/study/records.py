@@ -28,9 +28,9 @@ A record holds:
     versions of jax, jaxlib, flax, optax, orbax-checkpoint, grain and numpy}.
 
 The runs of records written since `resolved_config` came in were trained from a clean tree:
-cem-study refuses to train one from a tree whose tracked files differ from its commit
-(`dirty_tree`), so each record's commit is the code that trained it (earlier records may name
-a "-dirty" commit).
+cem-study refuses to train one from a tree whose tracked files other than its own outputs
+differ from its commit (`dirty_tree`), so each record's commit is the code that trained it
+(earlier records may name a "-dirty" commit).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def _record(study: Study, key: RunKey, spec: RunSpec, row: dict) -> dict:
            "train_loss": [[s, _finite(r.get("loss"), 6)] for s, r in sorted(train.items())],
            "grad_norm": [[s, _finite(r.get("grad_norm"), 4)] for s, r in sorted(train.items())],
            "tokens_per_s": _finite(row["tokens_per_s"]), "wall_s": row["wall_s"],
-           "ran": _ran(max(r["time"] for r in train.values()))}
+           "ran": _ran(max(r["time"] for r in train.values()), outputs(study))}
     if row["ok"]:
         rec["val"]["bits_per_byte"] = bits_per_byte_of(row["eval"])
     if row["ok"] and key.steps != study.sweep_steps:
@@ -186,6 +186,12 @@ def _data_identity(run_dir: str, cfg, milton: bool) -> dict:
                         "description": tokens.description, "documents": tokens.stats.documents,
                         "tokens": tokens.stats.tokens, "bytes": tokens.stats.bytes}
     return found
+
+
+def outputs(study: Study) -> tuple[Path, ...]:
+    """What cem-study writes into the code's tree (path prefixes): the study's records, and its
+    report with the figures beside it."""
+    return study.records, study.report.with_suffix("")
 
 
 def dirty_tree(code: Path = Path(__file__).parent, outputs: tuple[Path, ...] = ()) -> str:
@@ -221,15 +227,23 @@ def _finite(value, digits: int = 17) -> float | None:
     return float(f"{value:.{digits}g}") if value is not None and math.isfinite(value) else None
 
 
-def _ran(finished: float) -> dict:
-    """Where and when the run ran: `finished` (UNIX time of its last training step), this
-    machine, JAX and the code's commit (`git describe --dirty`) when the record is written."""
+def code_commit(code: Path = Path(__file__).parent, outputs: tuple[Path, ...] = ()) -> str:
+    """The commit of the tree holding `code` (`git describe --always`; "unknown" outside a git
+    checkout), with "-dirty" when tracked files other than the study's `outputs` differ from
+    it (`dirty_tree`: the report cem-study rewrites is not code)."""
     try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                text=True, check=True,
-                                cwd=Path(__file__).parent).stdout.strip()
+        commit = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True,
+                                check=True, cwd=code).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        return "unknown"
+    return commit + "-dirty" * bool(dirty_tree(code, outputs))
+
+
+def _ran(finished: float, written: tuple[Path, ...]) -> dict:
+    """Where and when the run ran: `finished` (UNIX time of its last training step), this
+    machine, JAX and the code's commit when the record is written (`code_commit`, the study
+    having written `written`)."""
+    commit = code_commit(outputs=written)
     date = datetime.datetime.fromtimestamp(finished, datetime.UTC)
     return {"date": date.strftime("%Y-%m-%d %H:%M UTC"),
             "machine": _cpu() or platform.machine(), "cores": os.cpu_count(),

@@ -19,7 +19,13 @@ from cem_jax.data.shards import read_manifest
 from cem_jax.study import records
 from cem_jax.study.analysis import Results
 from cem_jax.study.plan import RunKey, load_study, plan
-from cem_jax.study.records import dirty_tree, record_path, run_spec, train_and_record
+from cem_jax.study.records import (
+    code_commit,
+    dirty_tree,
+    record_path,
+    run_spec,
+    train_and_record,
+)
 
 
 def _study(tmp_path: Path, overrides: list[str]) -> Path:
@@ -81,16 +87,22 @@ def test_uncommitted_changes_to_tracked_files_refuse_to_record(tmp_path, monkeyp
     (tmp_path / "report.md").write_text("a study's report\n")
     git("add", "report.md")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "report")
+    commit = code_commit(tmp_path)
+    assert len(commit) >= 7 and not commit.endswith("-dirty")
     (tmp_path / "report.md").write_text("regenerated\n")  # the study's own output
     assert dirty_tree(tmp_path, outputs=(tmp_path / "report",)) == ""
+    assert code_commit(tmp_path, outputs=(tmp_path / "report",)) == commit  # not code
+    assert code_commit(tmp_path) == commit + "-dirty"
     (tmp_path / "a.py").write_text("x = 2\n")
     assert dirty_tree(tmp_path, outputs=(tmp_path / "report",)).startswith(
         "1 tracked file differs from the commit (a.py): commit or stash")
+    assert code_commit(tmp_path, outputs=(tmp_path / "report",)) == commit + "-dirty"
     assert dirty_tree(tmp_path).startswith("2 tracked files differ from the commit (a.py, "
                                            "report.md)")
     outside = tmp_path.parent / f"{tmp_path.name}-plain"
     outside.mkdir()
     assert "is not in a git checkout" in dirty_tree(outside)
+    assert code_commit(outside) == "unknown"
 
     path = _study(tmp_path / "study", [])
     monkeypatch.setattr(records, "dirty_tree", lambda outputs: dirty_tree(tmp_path, outputs))
