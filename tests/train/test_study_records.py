@@ -1,20 +1,24 @@
 """cem-study's records, for real: one tiny run trained and recorded carries its resolved config,
 its tokenizer and datasets' identities (the manifests' hashes) and the library versions; a tree
 with uncommitted changes to tracked files records nothing; a sweep at the reported budget keeps
-its runs apart from the reported ones and validates on the selection works."""
+its runs apart from the reported ones and validates on the selection works, and the reported
+runs are measured on Milton (a record written without it is completed from its checkpoint)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from train_helpers import REPO
 
 from cem_jax.cli import study as cli
 from cem_jax.data import find_tokenizer, load_tokenizer
+from cem_jax.data.shakespeare import ARCHIVE_NAME
 from cem_jax.data.shards import read_manifest
 from cem_jax.study import records
 from cem_jax.study.analysis import Results
@@ -22,6 +26,7 @@ from cem_jax.study.plan import RunKey, load_study, plan
 from cem_jax.study.records import (
     code_commit,
     dirty_tree,
+    lacks_measures,
     record_path,
     run_spec,
     train_and_record,
@@ -71,6 +76,53 @@ def test_a_recorded_run_carries_its_config_data_identity_and_versions(tmp_path, 
     assert rec["ran"]["versions"]["flax"] == importlib.metadata.version("flax")
     assert set(rec["ran"]["versions"]) == {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
                                            "grain", "numpy"}
+
+
+@pytest.mark.slow
+def test_a_reported_run_is_measured_on_milton_and_an_old_record_completed(
+        tmp_path, tiny_overrides, archive_cache, monkeypatch, capsys):
+    path = _study(tmp_path, [*tiny_overrides, "expected_params=null",
+                             f"data.shakespeare_archive={archive_cache / ARCHIVE_NAME}"])
+    spec = yaml.safe_load(path.read_text())
+    spec["sweep"].update(steps=6, seed=100)  # the sweep at the reported budget, as tied_vs_llama
+    path.write_text(yaml.safe_dump(spec))
+    study = load_study(path)
+    key = RunKey("shakespeare_cem", 0.01, 6, 0)
+    assert not study.is_sweep(key) and study.is_sweep(RunKey("shakespeare_cem", 0.01, 6, 100))
+    monkeypatch.setattr(records, "dirty_tree", lambda *args, **kwargs: "")  # a clean tree
+    rec, row = train_and_record(study, key)
+    measured = ("ood_bits_per_byte", "ood_loss", "descent", "descent_init", "descent_tokens")
+    assert row["ok"] and set(measured) <= set(rec) and 1 < rec["ood_bits_per_byte"] < 10
+    assert rec["data"]["milton"]["identity"] not in (rec["data"]["train"]["identity"],
+                                                     rec["data"]["validation"]["identity"])
+    assert rec["data"]["milton"]["tokens"] > 10 * rec["data"]["validation"]["tokens"]
+    assert not lacks_measures(study, key, rec) and "completed" not in rec
+
+    # a record written without them (as tied_vs_llama's first ones were) is completed first
+    old = {k: v for k, v in rec.items() if k not in measured}
+    old["data"] = {k: v for k, v in rec["data"].items() if k != "milton"}
+    record_path(study, key).write_text(json.dumps(old))
+    assert lacks_measures(study, key, old)
+    assert cli.main([str(path), "--max-runs", "0"]) == 0  # trains nothing
+    assert f"cem-study: completing {key.label}: its Milton evaluation" in capsys.readouterr().out
+    done = json.loads(record_path(study, key).read_text())
+    assert {k: done[k] for k in measured} == {k: rec[k] for k in measured}  # the same checkpoint
+    assert done["data"] == rec["data"]
+    assert done["completed"]["fields"] == ["data.milton", *measured]
+    assert done["completed"]["commit"] == records.code_commit()
+    report = Path(spec["report"]).read_text()
+    assert ("1 record of reported runs lacked the Milton evaluation (and energy descent) of the "
+            f"runs' final checkpoints when written; code {done['completed']['commit']} "
+            "completed them") in report
+
+    # its run directory gone: refused in one line naming the record, which is kept as it was
+    record_path(study, key).write_text(json.dumps(old))
+    shutil.rmtree(row["dir"])
+    assert cli.main([str(path), "--max-runs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cem-study: error: cannot complete {record_path(study, key)} from its "
+                          "run directory") and err.count("\n") == 1
+    assert json.loads(record_path(study, key).read_text()) == old
 
 
 def test_uncommitted_changes_to_tracked_files_refuse_to_record(tmp_path, monkeypatch, capsys):
