@@ -270,7 +270,7 @@ def _primary(study: Study, c: Comparison, ood: Comparison | None) -> str:
     inferior = "shown" if c.high90 < study.margin else "not shown"
     pct = f"{1 - 2 * study.alpha:.0%}"
     return (f"{c.size()}, {c.n} seeds: **{c.words}**. At the ±{study.margin} margin, "
-            f"equivalence is {tost} (TOST p {c.tost:.3g}; {pct} interval [{c.low90:+.4f}, "
+            f"equivalence is {tost} (TOST p {_p(c.tost)}; {pct} interval [{c.low90:+.4f}, "
             f"{c.high90:+.4f}]) and non-inferiority is {inferior} (its upper bound "
             f"{c.high90:+.4f} against +{study.margin})."
             + (f" On Milton: {ood.size()}, **{ood.words}**." if ood else ""))
@@ -371,8 +371,8 @@ def _comparisons(comparisons: list[Comparison], alpha: float) -> list[str]:
     return [_row(head), _rule(head), *(_row([
         c.key, str(c.n), f"{c.mean:+.4f} [{c.low:+.4f}, {c.high:+.4f}]", f"{c.percent:+.1f}%",
         "–" if c.perplexity_ratio is None else f"×{c.perplexity_ratio:.3f}",
-        f"[{c.low90:+.4f}, {c.high90:+.4f}]", f"{c.sd:.4f}", f"{c.p:.3g} ({c.p_holm:.3g})",
-        f"{c.tost:.3g}", f"**{c.words}**"]) for c in comparisons)]
+        f"[{c.low90:+.4f}, {c.high90:+.4f}]", f"{c.sd:.4f}", f"{_p(c.p)} ({_p(c.p_holm)})",
+        _p(c.tost), f"**{c.words}**"]) for c in comparisons)]
 
 
 def _sizes(results: Results) -> dict[str, dict[str, dict]]:
@@ -511,7 +511,7 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
                                ("the size trend", sizes)):
         for c in comparisons:
             lines.append(f"- {c.key} ({table}): {c.size()}, {c.n} seeds: **{c.words}** "
-                         f"(Holm p {c.p_holm:.3g}, TOST p {c.tost:.3g}).")
+                         f"(Holm p {_p(c.p_holm)}, TOST p {_p(c.tost)}).")
     return lines + slopes + [""]
 
 
@@ -528,6 +528,12 @@ def _validation(study: Study) -> str:
     return ("the whole held-out split" if cfg.data.val_tokens is None else
             f"the held-out split's first whole documents up to {cfg.data.val_tokens:,} tokens "
             "(data.val_tokens)")
+
+
+def _p(value: float) -> str:
+    """A p-value to 3 significant digits; "> 0.999" for one that would round to 1 without being
+    1 (a Holm-adjusted p is capped at exactly 1)."""
+    return "> 0.999" if 0.999 < value < 1 else f"{value:.3g}"
 
 
 def _count(n: int, thing: str) -> str:
