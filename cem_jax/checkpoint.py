@@ -177,6 +177,12 @@ class Checkpointer:
                                                enable_async_checkpointing=True,
                                                cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        # orbax >= 0.12 removes the temporary folders of a killed save in a thread that
+        # `close` does not wait for: a start stopped at once removed the run directory under
+        # it, and the thread's 42-line traceback followed the one-line message. Wait for it.
+        cleanup = getattr(self.manager, "_cleanup_tmp_directory_future", None)
+        if cleanup is not None:
+            cleanup.result()
         self.write_failed = False
 
     def latest_step(self) -> int | None:

@@ -3,7 +3,8 @@ to step 20 logs the same records as a run of 20 steps straight (the fp32 losses 
 every validation), and TensorBoard shows every logged value once; so does a run stopped during a
 validation, periodic or final; every optimizer setting may change on resume (a real resume with
 clipping and weight decay turned off: tests/train/test_train_loop.py); a checkpoint of another
-state structure is refused by name; a full disk leaves the newest checkpoint as it was; a
+state structure is refused by name; a killed save's temporary folder is removed before the
+checkpointer is used; a full disk leaves the newest checkpoint as it was; a
 finished run started again reports what it logged and writes nothing."""
 
 import dataclasses
@@ -252,6 +253,23 @@ def test_a_checkpoint_of_another_structure_is_refused_by_name(tiny_overrides, tm
     message = str(err.value)
     assert "8 arrays differ, first opt_state.0.count: saved ((), 'int32'), built none" in message
     assert "delete" not in message and str(tmp_path / "checkpoints" / "2") in message
+
+
+def test_a_killed_save_s_folder_is_gone_when_the_checkpointer_is_made(tmp_path):
+    """orbax removes a killed save's temporary folder in a thread that `close` does not wait
+    for: a start stopped at once removed the run directory under it (a 42-line traceback after
+    the one-line message, under load). The folder (2,000 files) is gone when `Checkpointer`
+    returns; the complete checkpoint beside it stays."""
+    partial = tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1733000000"
+    (partial / "state").mkdir(parents=True)
+    for i in range(2000):
+        (partial / "state" / f"chunk{i}").write_bytes(b"0" * 64)
+    complete = tmp_path / "checkpoints" / "2" / "state"
+    complete.mkdir(parents=True)
+    checkpointer = Checkpointer(tmp_path, keep=1)
+    assert not partial.exists()
+    checkpointer.close()
+    assert complete.is_dir()
 
 
 @pytest.mark.slow
