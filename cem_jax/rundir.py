@@ -73,7 +73,8 @@ def load_run(run_dir: str, step: int | None = None) -> Run:
     """Load config, tokenizer and the parameters of checkpoint `step` (None: the newest).
 
     Raises:
-      RunDirError: no config.yaml, tokenizer or checkpoint (or no checkpoint `step`).
+      RunDirError: no such directory, or no config.yaml, tokenizer or checkpoint (or no
+        checkpoint `step`).
       CheckpointError: the checkpoint cannot be read (corrupt, partial, other config), or the
         run's tokenizer is not the one the checkpoint was trained with.
       ValueError: config.yaml is invalid, or the tokenizer has more ids than the model.
@@ -81,6 +82,8 @@ def load_run(run_dir: str, step: int | None = None) -> Run:
     run_dir = files.local(str(run_dir))
     config_path = files.join(run_dir, "config.yaml")
     if not files.is_file(config_path):
+        if not files.is_dir(run_dir):
+            raise RunDirError(f"{run_dir} does not exist: give a run directory cem-train wrote")
         raise RunDirError(f"{config_path} is missing: {run_dir} is not a run directory")
     try:
         tokenizer_path = find_tokenizer(run_dir)

@@ -220,7 +220,12 @@ def test_a_damaged_checkpoint_is_a_clear_error_and_writes_nothing(make_run, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-def test_missing_pieces_of_a_run_directory_are_named(make_run):
+def test_missing_pieces_of_a_run_directory_are_named(make_run, tmp_path):
+    with pytest.raises(RunDirError, match=r"nothere does not exist: give a run directory"):
+        load_run(tmp_path / "nothere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunDirError, match=r"empty/config.yaml is missing: .*empty is not a run"):
+        load_run(tmp_path / "empty")
     run_dir, _, _ = make_run()
     with pytest.raises(RunDirError, match="no checkpoint of step 7"):
         load_run(run_dir, step=7)
