@@ -11,13 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+import cem_jax
 from cem_jax import exits
 from cem_jax.data import files
 from cem_jax.evaluate import bits_per_byte_of
@@ -119,9 +122,14 @@ def train_process(argv: list[str], log) -> int:
     """Run `python -m cem_jax.train ARGV` with its output in the file `log`; returns its exit
     status (`cem_jax.exits.ExitStatus`, or -N for a kill by signal N). It runs in its own
     session, and a SIGINT or SIGTERM that cem-compare receives meanwhile is passed on to it (a
-    Ctrl-C in the terminal reaches it once: it stops at a safe point and saves)."""
-    child = subprocess.Popen([sys.executable, "-m", "cem_jax.train", *argv], stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+    Ctrl-C in the terminal reaches it once: it stops at a safe point and saves). It imports
+    the cem_jax this process runs, not a `cem_jax/` in the current directory (`python -P`):
+    a study record names the commit of this process's code."""
+    root = str(Path(cem_jax.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    child = subprocess.Popen([sys.executable, "-P", "-m", "cem_jax.train", *argv], env=env,
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     with exits.forwarding(child.pid):
         return child.wait()
 

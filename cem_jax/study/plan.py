@@ -313,6 +313,15 @@ def _rates(path: Path, listed, names: list[str]) -> dict[str, tuple[float, ...]]
     return found
 
 
+FIGURES = ("sweep", "sweep_curves", "curves", "sizes", "descent")  # the report's, by name
+
+
+def figure_path(report: Path, name: str) -> Path:
+    """Where the report `report` (REPORT.md) keeps its figure `name` (one of `FIGURES`):
+    REPORT_name.png beside it."""
+    return report.with_name(f"{report.stem}_{name}.png")
+
+
 def rate_text(lr: float) -> str:
     """A rate as the study writes it in names: 0.01 → "1e-2", 0.0025 → "2.5e-3"."""
     mantissa, exponent = f"{lr:e}".split("e")

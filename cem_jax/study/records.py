@@ -61,7 +61,7 @@ from cem_jax.fileio import atomic_file
 from cem_jax.model import CEMTransformer
 from cem_jax.monitor import descent_statistics
 from cem_jax.rundir import load_run
-from cem_jax.study.plan import RunKey, Study, rate_text
+from cem_jax.study.plan import FIGURES, RunKey, Study, figure_path, rate_text
 from cem_jax.train.metrics import logged_records
 
 DESCENT_BATCHES = 4
@@ -236,16 +236,18 @@ def _split_identity(cfg, tokenizer, split: str) -> dict:
 
 
 def outputs(study: Study) -> tuple[Path, ...]:
-    """What cem-study writes into the code's tree (path prefixes): the study's records, and its
-    report with the figures beside it."""
-    return study.records, study.report.with_suffix("")
+    """What cem-study writes into the code's tree: the folder of the study's records, and its
+    report with the figures beside it (`FIGURES`)."""
+    return (study.records, study.report,
+            *(figure_path(study.report, name) for name in FIGURES))
 
 
 def dirty_tree(code: Path = Path(__file__).parent, outputs: tuple[Path, ...] = ()) -> str:
     """Why the tree holding `code` (this package) cannot record runs: tracked files other than
-    the study's own outputs (paths starting with one of `outputs`: its records, its report and
-    figures) differ from its commit ("" when none do; a tree that is not a git checkout says
-    so)."""
+    the study's own `outputs` (those files, and what lies in those folders: its records, its
+    report and figures) differ from its commit ("" when none do; a tree that is not a git
+    checkout says so). The study file itself is code: a plan edited after its runs is not
+    theirs."""
     try:
         def git(*args: str) -> str:
             return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
@@ -256,9 +258,9 @@ def dirty_tree(code: Path = Path(__file__).parent, outputs: tuple[Path, ...] = (
     except (OSError, subprocess.CalledProcessError):
         return (f"the code in {code} is not in a git checkout, so a record could not name the "
                 "commit that trained it")
-    mine = tuple(str(p.resolve()) for p in outputs)
+    mine = [p.resolve() for p in outputs]
     changed = [line[3:] for line in lines if line.strip()
-               and not (mine and str(root / line[3:]).startswith(mine))]
+               and not any((root / line[3:]).resolve().is_relative_to(p) for p in mine)]
     verb = "differs" if len(changed) == 1 else "differ"
     return (f"{len(changed)} tracked file{'s' * (len(changed) != 1)} {verb} from the commit "
             f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): commit or stash "

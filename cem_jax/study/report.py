@@ -32,7 +32,7 @@ from cem_jax.study.analysis import (
     spike_steps,
     spikes,
 )
-from cem_jax.study.plan import RunKey, Study, rate_text
+from cem_jax.study.plan import RunKey, Study, figure_path, rate_text
 from cem_jax.train_config import load_config
 
 SUMMARY_START = "<!-- summary -->"
@@ -320,10 +320,10 @@ def _sweep(study: Study, results: Results, out: Path) -> list[str]:
                            else "(sweep not done)",
                            ", ".join(bad) or "none",
                            str(sum(spikes(rec) for rec in recs.values()))]))
-    png = out.with_name(f"{out.stem}_sweep.png")
+    png = figure_path(out, "sweep")
     if _drawn(figures.plot_sweep(results, png), png):
         lines += ["", f"![learning-rate sweep]({png.name})"]
-    png = out.with_name(f"{out.stem}_sweep_curves.png")
+    png = figure_path(out, "sweep_curves")
     if _drawn(figures.plot_sweep_curves(results, png), png):
         lines += ["", f"![the sweep's curves]({png.name})"]
     return lines + [""]
@@ -357,7 +357,7 @@ def _table(study: Study, results: Results, title: str, steps: Mapping[str, int],
         lines += ["The same comparisons on Milton (out of domain; Holm over their own family):",
                   "", *_comparisons(milton, study.alpha), ""]
     if out is not None and figure:
-        png = out.with_name(f"{out.stem}_{figure}.png")
+        png = figure_path(out, figure)
         if _drawn(figures.plot_curves(results, png), png):
             lines += [f"![validation curves]({png.name})", ""]
     return lines
@@ -450,7 +450,7 @@ def _sizes_table(study: Study, sizes: Mapping[str, Mapping[str, dict]],
                                _mean_sd(list(v["values"].values()))]))
     lines += ["", *_comparisons(comparisons, study.alpha), ""]
     lines += [*slopes, ""] if slopes else []
-    png = out.with_name(f"{out.stem}_sizes.png")
+    png = figure_path(out, "sizes")
     if _drawn(figures.plot_sizes(results, sizes, png), png):
         lines += [f"![trend over size]({png.name})", ""]
     return lines
@@ -480,7 +480,7 @@ def _descent(study: Study, results: Results, out: Path) -> list[str]:
              "x, DESIGN.md §1, so descent is not guaranteed), mean over the seeds, for the "
              "trained parameters and for the same seeds' initial ones.", "", _row(head),
              _rule(head), *rows, ""]
-    png = out.with_name(f"{out.stem}_descent.png")
+    png = figure_path(out, "descent")
     if _drawn(figures.plot_descent(results, png), png):
         lines += [f"![energy ascent, trained and at initialization]({png.name})", ""]
     return lines

@@ -22,7 +22,7 @@ from train_helpers import REPO
 
 from cem_jax.cli.compare import main
 from cem_jax.compare.plan import budget_steps
-from cem_jax.compare.runs import RunSpec, train_one
+from cem_jax.compare.runs import RunSpec, train_one, train_process
 from cem_jax.evaluate import bits_per_byte_of, evaluate_run
 from cem_jax.model import CEMTransformer, count_params
 from cem_jax.rundir import load_run
@@ -313,3 +313,16 @@ def test_a_run_without_validation_counts_as_finished(tiny_overrides, tmp_path, c
     assert "training no_val" in capsys.readouterr().out
     assert main(argv) == 0  # reused: not trained again
     assert "training" not in capsys.readouterr().out
+
+
+def test_the_trainer_imports_this_process_s_code_not_the_current_directory_s(tmp_path,
+                                                                           monkeypatch):
+    """A study run from another checkout trained with that checkout's code while its record
+    named the commit of this process's (`python -m` puts the current directory first)."""
+    (tmp_path / "cem_jax").mkdir()
+    (tmp_path / "cem_jax" / "__init__.py").write_text("raise SystemExit(42)\n")
+    monkeypatch.chdir(tmp_path)
+    with open(tmp_path / "train.log", "w+") as log:
+        assert train_process(["--help"], log) == 0
+        log.seek(0)
+        assert "usage: cem-train" in log.read()

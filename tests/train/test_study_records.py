@@ -142,15 +142,26 @@ def test_uncommitted_changes_to_tracked_files_refuse_to_record(tmp_path, monkeyp
     commit = code_commit(tmp_path)
     assert len(commit) >= 7 and not commit.endswith("-dirty")
     (tmp_path / "report.md").write_text("regenerated\n")  # the study's own output
-    assert dirty_tree(tmp_path, outputs=(tmp_path / "report",)) == ""
-    assert code_commit(tmp_path, outputs=(tmp_path / "report",)) == commit  # not code
+    assert dirty_tree(tmp_path, outputs=(tmp_path / "report.md",)) == ""
+    assert code_commit(tmp_path, outputs=(tmp_path / "report.md",)) == commit  # not code
     assert code_commit(tmp_path) == commit + "-dirty"
     (tmp_path / "a.py").write_text("x = 2\n")
-    assert dirty_tree(tmp_path, outputs=(tmp_path / "report",)).startswith(
+    assert dirty_tree(tmp_path, outputs=(tmp_path / "report.md",)).startswith(
         "1 tracked file differs from the commit (a.py): commit or stash")
-    assert code_commit(tmp_path, outputs=(tmp_path / "report",)) == commit + "-dirty"
+    assert code_commit(tmp_path, outputs=(tmp_path / "report.md",)) == commit + "-dirty"
     assert dirty_tree(tmp_path).startswith("2 tracked files differ from the commit (a.py, "
                                            "report.md)")
+    git("checkout", "a.py", "report.md")
+    (tmp_path / "runs").mkdir()  # a study's records, beside its study file runs.yaml
+    for name in ("runs/x.json", "runs.yaml"):
+        (tmp_path / name).write_text("1\n")
+        git("add", name)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "study")
+    (tmp_path / "runs" / "x.json").write_text("2\n")
+    assert dirty_tree(tmp_path, outputs=(tmp_path / "runs",)) == ""
+    (tmp_path / "runs.yaml").write_text("2\n")  # the plan edited: code, not an output
+    assert dirty_tree(tmp_path, outputs=(tmp_path / "runs",)).startswith(
+        "1 tracked file differs from the commit (runs.yaml)")
     outside = tmp_path.parent / f"{tmp_path.name}-plain"
     outside.mkdir()
     assert "is not in a git checkout" in dirty_tree(outside)
