@@ -7,14 +7,16 @@ A planned run whose file exists is never trained again, so the study completes o
 invocations as it needs: `--max-runs` and `--hours` bound one invocation (a run started before
 the time is up is finished). A reported run's file that lacks its Milton evaluation (written
 before a sweep could run at the reported budget) is first completed from the run's final
-checkpoint. A run that crashes is reported and skipped for this invocation; a
-diverged run is a result (its file says so). SIGINT or SIGTERM goes to the run in training,
-which stops at a safe point and saves; the report is then written from the files so far and
-the command exits 75 (run it again to resume that run). Exit status: 0, or 1 when a run
-crashed, 2 for a bad study file, a record that is not one or that another study made (the
-message names the file), a folder it cannot write, a record to complete whose run directory
-is gone, or a code tree with uncommitted changes to tracked files (a record names the commit
-that trained it); 75 when a signal stopped it.
+checkpoint. A run that crashes is reported and skipped for this invocation; a diverged run is a
+result (its file says so). SIGINT or SIGTERM goes to the run in training, which stops at a safe
+point and saves; one that comes while no run trains stops cem-study at the next safe point (a
+record or the report written whole, never half). Either way the report is then written from the
+files so far (atomically, as every record) and the command exits 75 (run it again to resume that
+run); a second SIGINT leaves at once. Exit status: 0, or 1 when a run crashed, 2 for a bad study
+file or option, a record that is not one or that another study made (the message names the
+file), a folder it cannot write (or, with --report-only, a records folder that does not exist),
+a record to complete whose run directory is gone, or a code tree with uncommitted changes to
+tracked files (a record names the commit that trained it); 75 when a signal stopped it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run `cem-study`; returns its exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    with exits.caught("cem-study"):  # from the start: JAX's import, the report's writing
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from cem_jax.study.plan import flops_steps, load_study  # no JAX: a bad file answers at once
 
     try:
@@ -62,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         flops = {name: step_flops(load_config(c.file, [*study.overrides, *c.overrides]))
                  for name, c in study.all_configs().items()}
         _check_writable(study.report.parent, "report")
+        if args.report_only and not study.records.is_dir():
+            raise ValueError(f"{study.records}, the folder of the study's records, is not a "
+                             f"folder: there is nothing to report (the report is left as it "
+                             f"was); set records in {args.study}")
         if not args.report_only:
             _check_writable(study.records, "records")
             dirty = dirty_tree(outputs=outputs(study))
@@ -72,40 +83,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"cem-study: error: {err}", file=sys.stderr)
         return 2
-    deadline = time.monotonic() + args.hours * 3600 if args.hours else None
+    deadline = None if args.hours is None else time.monotonic() + args.hours * 3600
     failed, trained, status = set(), 0, 0
-    with exits.caught("cem-study"):
-        for key, rec in sorted(results.records.items()):
-            if args.report_only or exits.received() is not None:
-                break
-            if lacks_measures(study, key, rec):
-                print(f"cem-study: completing {key.label}: its Milton evaluation (and energy "
-                      "descent) from its final checkpoint", flush=True)
-                try:
-                    results.records[key] = complete_record(study, key, rec)
-                except (ValueError, FileNotFoundError) as err:
-                    print(f"cem-study: error: {err}", file=sys.stderr)
-                    return 2
-        while not args.report_only and exits.received() is None:
-            todo = [k for k in _planned(study, results, flops)
-                    if k not in results.records and k not in failed]
-            if not todo or trained == args.max_runs or (deadline and time.monotonic() > deadline):
-                break
-            key = todo[0]
-            print(f"cem-study: run {key.label} ({len(todo)} planned run"
-                  f"{'s' * (len(todo) != 1)} to go, this one included; the plan grows as "
-                  "sweeps finish)", flush=True)
-            rec, row = train_and_record(study, key)
-            trained += 1
-            if row["stopped"]:
-                status = int(exits.ExitStatus.STOPPED)
-                break
-            if rec is None:
-                failed.add(key)
-                status = 1
-                print(f"cem-study: {key.label}: {row['note']}", file=sys.stderr)
-            else:
-                results.records[key] = rec
+    for key, rec in sorted(results.records.items()):
+        if args.report_only or exits.received() is not None:
+            break
+        if lacks_measures(study, key, rec):
+            print(f"cem-study: completing {key.label}: its Milton evaluation (and energy "
+                  "descent) from its final checkpoint", flush=True)
+            try:
+                results.records[key] = complete_record(study, key, rec)
+            except (ValueError, FileNotFoundError) as err:
+                print(f"cem-study: error: {err}", file=sys.stderr)
+                return 2
+    while not args.report_only and exits.received() is None:
+        todo = [k for k in _planned(study, results, flops)
+                if k not in results.records and k not in failed]
+        if not todo or trained == args.max_runs or (
+                deadline is not None and time.monotonic() >= deadline):
+            break
+        key = todo[0]
+        print(f"cem-study: run {key.label} ({len(todo)} planned run"
+              f"{'s' * (len(todo) != 1)} to go, this one included; the plan grows as "
+              "sweeps finish)", flush=True)
+        rec, row = train_and_record(study, key)
+        trained += 1
+        if row["stopped"]:
+            status = int(exits.ExitStatus.STOPPED)
+            break
+        if rec is None:
+            failed.add(key)
+            status = 1
+            print(f"cem-study: {key.label}: {row['note']}", file=sys.stderr)
+        else:
+            results.records[key] = rec
     planned = _planned(study, results, flops)
     write_report(study, results, planned, flops_steps(study, flops))
     left = sum(k not in results.records for k in planned)
@@ -141,13 +152,26 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cem-study",
                                      description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("study", help="the study's YAML file, e.g. docs/study/study.yaml")
-    parser.add_argument("--max-runs", type=int, default=-1, metavar="N",
-                        help="train at most N runs in this invocation (default: all)")
-    parser.add_argument("--hours", type=float, metavar="H",
+    parser.add_argument("--max-runs", type=_at_least_0(int), metavar="N",
+                        help="train at most N runs in this invocation (default: all; 0: "
+                        "none, only complete records and write the report)")
+    parser.add_argument("--hours", type=_at_least_0(float), metavar="H",
                         help="start no run after H hours (default: no limit)")
     parser.add_argument("--report-only", action="store_true",
                         help="train nothing: regenerate the report from the files")
     return parser
+
+
+def _at_least_0(kind: type) -> Callable[[str], float]:
+    """An argparse type: a number of `kind` that is 0 or more."""
+    def parse(text: str):
+        value = kind(text)
+        if not value >= 0:  # nan too
+            raise argparse.ArgumentTypeError(f"{text}: give 0 or more")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
+    return parse
 
 
 if __name__ == "__main__":

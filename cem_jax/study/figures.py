@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cem_jax.fileio import atomic_file
 from cem_jax.stats import paired_interval
 from cem_jax.study.analysis import Results, diverged
 from cem_jax.study.plan import Study, rate_text
@@ -248,7 +249,8 @@ def plot_descent(results: Results, path: Path) -> bool:
 
 def _save(fig, path: Path) -> bool:
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_file(path) as f:  # a stopped or failed write leaves the old figure
+        fig.savefig(f, format="png")
     _pyplot().close(fig)
     return True
 

@@ -27,6 +27,7 @@ seed none of its reported runs use, so its runs stay apart from them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -141,10 +142,13 @@ def _integer(value) -> int:
 
 
 def _number(value) -> float:
-    """A float; also from a string (YAML 1.1, which PyYAML reads, takes `1e-2` for text)."""
+    """A finite float; also from a string (YAML 1.1, which PyYAML reads, takes `1e-2` for
+    text). Raises TypeError or ValueError."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise TypeError
-    return float(value)
+    if not math.isfinite(number := float(value)):
+        raise ValueError
+    return number
 
 
 def _text(value) -> str:
@@ -159,7 +163,7 @@ def _texts(value) -> tuple[str, ...]:
     return tuple(value)
 
 
-_KIND_WORDS = {_integer: "an integer", _number: "a number", _text: "a string",
+_KIND_WORDS = {_integer: "an integer", _number: "a finite number", _text: "a string",
                _texts: "a list of strings", dict: "a mapping", list: "a list"}
 
 
@@ -305,7 +309,7 @@ def _rates(path: Path, listed, names: list[str]) -> dict[str, tuple[float, ...]]
     for name, grid in grids.items():
         try:
             found[name] = tuple(sorted(_number(r) for r in grid))
-        except TypeError:
+        except (TypeError, ValueError):
             found[name] = ()
         if not found[name] or min(found[name]) <= 0:
             raise ValueError(f"{path}: sweep.rates {grid!r} must be a list of learning rates "

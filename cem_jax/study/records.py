@@ -44,6 +44,7 @@ import math
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -81,11 +82,14 @@ def read_records(study: Study) -> dict[RunKey, dict]:
     for path in sorted(study.records.glob("*.json")):
         try:
             rec = json.loads(path.read_text())
-            key = RunKey(rec["name"], rec["lr"], rec["steps"], rec["seed"])
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{path} is not a run's record ({type(err).__name__}: {err}); "
-                             "delete it to record that run again (a finished run directory "
-                             "is reused, not trained again)") from None
+            problem = _malformed(rec)
+        except ValueError as err:
+            problem = f"{type(err).__name__}: {err}"
+        if problem:
+            raise ValueError(f"{path} is not a run's record ({problem}); delete it to record "
+                             "that run again (a finished run directory is reused, not trained "
+                             "again)")
+        key = RunKey(rec["name"], rec["lr"], rec["steps"], rec["seed"])
         if path.name != f"{key.label}.json":
             raise ValueError(f"{path} holds the record of {key.label}: rename it "
                              f"{key.label}.json or delete it")
@@ -97,6 +101,48 @@ def read_records(study: Study) -> dict[RunKey, dict]:
                                  "the study")
         found[key] = rec
     return found
+
+
+def _of(kind: type) -> Callable[[object], bool]:
+    return lambda value: isinstance(value, kind) and not isinstance(value, bool)
+
+
+_is_number = _of(int | float)
+
+
+def _is_curve(value) -> bool:
+    """[[step, value or null], ...]"""
+    return isinstance(value, list) and all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and
+        (p[1] is None or _is_number(p[1])) for p in value)
+
+
+# What the report reads of a record (the module docstring), as checks of its value.
+_FIELDS = {"name": _of(str), "lr": _is_number, "steps": _of(int), "seed": _of(int),
+           "config": _of(str), "cem_train_args": _of(list),
+           "status": lambda v: v in ("ok", "diverged"), "params": _of(int),
+           "training_flops": _is_number,
+           "val": lambda v: v is None or isinstance(v, dict) and _is_number(v.get("bits_per_byte")),
+           "val_curve": _is_curve, "train_loss": _is_curve, "grad_norm": _is_curve,
+           "tokens_per_s": lambda v: v is None or _is_number(v), "wall_s": _is_number,
+           "ran": _of(dict)}
+_MEASURES = {"ood_bits_per_byte": _is_number, "ood_loss": _is_number, "descent": _of(dict),
+             "descent_init": _of(dict), "descent_tokens": _of(int)}  # reported runs only
+
+
+def _malformed(rec) -> str:
+    """What makes `rec` no record ("" when nothing): a field missing or of the wrong kind."""
+    if not isinstance(rec, dict):
+        return f"a {type(rec).__name__}, not a mapping of fields"
+    for name, check in _FIELDS.items():
+        if name not in rec:
+            return f"no field {name!r}"
+        if not check(rec[name]):
+            return f"{name} is {json.dumps(rec[name])[:60]}"
+    if rec["status"] == "ok" and rec["val"] is None:
+        return "val is null though status is ok"
+    return next((f"{name} is {json.dumps(rec[name])[:60]}" for name, check in _MEASURES.items()
+                 if name in rec and not check(rec[name])), "")
 
 
 def _made_otherwise(rec: dict, config: str, args: list[str]) -> str:

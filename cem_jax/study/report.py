@@ -13,6 +13,7 @@ import statistics
 from collections.abc import Mapping
 from pathlib import Path
 
+from cem_jax.fileio import atomic_file
 from cem_jax.stats import (
     differences,
     equivalence_margin,
@@ -85,7 +86,8 @@ def write_report(study: Study, results: Results, planned: list[RunKey],
     lines += _sizes_table(study, sizes, size_cmp, slopes, results, out)
     lines += _descent(study, results, out)
     lines += _reading(study, results, main, flops, size_cmp, slopes)
-    out.write_text("\n".join(lines))
+    with atomic_file(out) as f:  # a stopped or failed write leaves the old report
+        f.write("\n".join(lines).encode())
 
 
 def _scale(study: Study, results: Results) -> list[str]:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import re
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -478,12 +481,68 @@ def test_a_record_another_study_made_or_a_broken_one_is_refused(study_file: Path
     path.write_text(json.dumps(rec)[:100])  # a torn file
     assert main([str(study_file), "--report-only"]) == 2
     assert f"{path} is not a run's record (JSONDecodeError" in capsys.readouterr().err
+    for change, problem in [
+            ({"val": None}, "no field 'val'"), ({"ran": None}, "no field 'ran'"),  # None: drop
+            ({"lr": "0.01"}, 'lr is "0.01"'), ({"status": "weird"}, 'status is "weird"'),
+            ({"val": {"bits_per_byte": "x"}}, 'val is {"bits_per_byte": "x"}'),
+            ({"train_loss": [[1]]}, "train_loss is [[1]]"),
+            ({"ood_bits_per_byte": "2.5"}, 'ood_bits_per_byte is "2.5"')]:
+        broken = {k: v for k, v in {**rec, **change}.items() if v is not None}
+        path.write_text(json.dumps(broken))
+        assert main([str(study_file), "--report-only"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"cem-study: error: {path} is not a run's record ({problem}); "
+                              "delete it") and err.count("\n") == 1, err
     assert not (study_file.parent / "results.md").exists()  # nothing written from bad records
+
+
+def test_report_only_without_a_records_folder_keeps_the_report(study_file: Path, capsys):
+    report = study_file.parent / "results.md"
+    report.write_text("the report of 6 runs\n")
+    spec = yaml.safe_load(study_file.read_text())
+    spec["records"] = str(study_file.parent / "elsewhere")
+    study_file.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert main([str(study_file), "--report-only"]) == 2
+    assert capsys.readouterr().err == (
+        f"cem-study: error: {spec['records']}, the folder of the study's records, is not a "
+        f"folder: there is nothing to report (the report is left as it was); set records in "
+        f"{study_file}\n")
+    assert report.read_text() == "the report of 6 runs\n"
+
+
+def test_a_signal_while_the_report_is_written_stops_after_it(study_file: Path, capsys,
+                                                              monkeypatch):
+    """A Ctrl-C outside a training run was a 47-line KeyboardInterrupt traceback, status 130."""
+    from cem_jax.study import report
+
+    def interrupted(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        write_report(*args)
+
+    write_report = report.write_report
+    monkeypatch.setattr(report, "write_report", interrupted)
+    assert main([str(study_file), "--report-only"]) == 75
+    out, err = capsys.readouterr()
+    assert err == "cem-study: stopped by a signal; run the same command again to go on\n"
+    assert "planned runs recorded" in out
+    assert (study_file.parent / "results.md").read_text().startswith("# The CEM study")
+
+
+@pytest.mark.parametrize("option", [["--max-runs", "-3"], ["--hours", "-1"], ["--hours", "nan"],
+                                    ["--max-runs", "x"]])
+def test_a_negative_bound_is_refused(study_file: Path, capsys, option):
+    with pytest.raises(SystemExit) as stop:
+        main([str(study_file), *option])
+    assert stop.value.code == 2
+    assert f"cem-study: error: argument {option[0]}: " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"margin": -0.1}, "margin is -0.1; it must be > 0"),
-    ({"margin": "abc"}, "margin is 'abc', not a number"),
+    ({"margin": "abc"}, "margin is 'abc', not a finite number"),
+    ({"margin": math.inf}, "margin is inf, not a finite number"),
+    ({"sweep.rates": ["abc"]}, "sweep.rates ['abc'] must be a list of learning rates > 0"),
+    ({"sweep.rates": [math.nan]}, "sweep.rates [nan] must be a list of learning rates > 0"),
     ({"overides": []}, "unknown field 'overides'"),
     ({"main.flops_config": ["shakespeare_cem"]}, "unknown field 'main.flops_config'"),
     ({"sweep": {"steps": 300}}, "sweep.rates is missing"),

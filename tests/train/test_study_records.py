@@ -51,6 +51,15 @@ def _study(tmp_path: Path, overrides: list[str]) -> Path:
     return path
 
 
+def test_no_hours_left_trains_nothing(tmp_path, monkeypatch, capsys):
+    path = _study(tmp_path, [])
+    monkeypatch.setattr(records, "dirty_tree", lambda **kwargs: "")  # a clean tree
+    assert cli.main([str(path), "--hours", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "cem-study: run " not in out and "; 0 of 2 planned runs recorded" in out
+    assert not any((tmp_path / "records").iterdir()) and not (tmp_path / "runs").exists()
+
+
 def test_a_recorded_run_carries_its_config_data_identity_and_versions(tmp_path, tiny_overrides):
     study = load_study(_study(tmp_path, [*tiny_overrides, "expected_params=null"]))
     key = RunKey("shakespeare_llama", 0.01, 3, 0)
