@@ -79,10 +79,16 @@ def _run(args: argparse.Namespace) -> int:
             if dirty:
                 raise ValueError(f"cannot record runs: {dirty} (--report-only needs no clean "
                                  "tree)")
-        results = Results(study, read_records(study))
+        found = read_records(study)
     except (ValueError, FileNotFoundError) as err:
         print(f"cem-study: error: {err}", file=sys.stderr)
         return 2
+    named = set(study.all_configs())
+    strays = sorted({k.name for k in found} - named)
+    if strays:
+        print(f"cem-study: warning: records in {study.records} name configs the study does not "
+              f"({', '.join(strays)}): the report leaves them out", file=sys.stderr)
+    results = Results(study, {k: r for k, r in found.items() if k.name in named})
     deadline = None if args.hours is None else time.monotonic() + args.hours * 3600
     failed, trained, status = set(), 0, 0
     for key, rec in sorted(results.records.items()):

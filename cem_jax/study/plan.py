@@ -64,7 +64,8 @@ class Config:
 
 @dataclasses.dataclass(frozen=True)
 class Study:
-    """The study of one YAML file (see docs/study/study.yaml for each field's meaning)."""
+    """The study of one YAML file (docs/study/study.yaml and docs/study/tied_vs_llama.yaml say
+    what each field means)."""
 
     path: Path
     records: Path
@@ -132,7 +133,8 @@ FIELDS = {"margin", "alpha", "power", "planning_sd", "min_seeds", "records", "ru
 SECTIONS = {"sweep": {"steps", "eval_every", "seed", "rates", "extend", "overrides"},
             "main": {"steps", "eval_every", "flops_configs"},
             "sizes": {"configs", "seeds", "scales"}}
-HELP = "the fields are those of docs/study/study.yaml in the cem_jax repository"
+HELP = ("the fields are those of docs/study/study.yaml and docs/study/tied_vs_llama.yaml in "
+        "the cem_jax repository (their comments say what each means)")
 
 
 def _integer(value) -> int:

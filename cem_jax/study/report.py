@@ -102,11 +102,13 @@ def _scale(study: Study, results: Results) -> list[str]:
     split = next((r["data"]["train"]["tokens"] for r in recs if "data" in r), study.train_tokens)
     epochs = (f", {tokens / split:.1f} passes over the {split / 1e6:.2f}M-token training split"
               if split else "")
+    corpus = next((r["data"]["train"]["description"] for r in recs if "data" in r),
+                  cfg.data.corpus)
     return [f"**Scale.** Models of {params[0] / 1e6:.2f}M to {params[-1] / 1e6:.2f}M parameters, "
             f"each trained {study.steps:,} steps of {cfg.data.batch_size} × "
             f"{cfg.data.seq_len} tokens ({tokens / 1e6:.1f}M tokens: "
             f"{tokens / params[-1]:.1f} to {tokens / params[0]:.1f} tokens per parameter"
-            f"{epochs}), on one corpus of Shakespeare. The paper's claims are about "
+            f"{epochs}), on one corpus: {corpus}. The paper's claims are about "
             "Transformers of ~100M parameters and more, trained on billions of tokens; nothing "
             "here speaks to that scale, where a gap seen here may grow, shrink or reverse.", ""]
 
@@ -242,11 +244,11 @@ def _summary(study: Study, results: Results, main: list[Comparison], flops: list
     same_tests = {(c.key, c.mean, c.n) for c in main}  # a FLOPs row on the equal-steps runs
     by_key = {c.key: c for c in milton["main"]}
     flops_ood = {c.key: c for c in milton["flops"]}
-    trend = f"the size trend ({study.steps:,} steps, seeds 0–{study.size_seeds - 1})"
     wanted = [(c, f"{study.steps:,} steps", by_key) for c in main]
     wanted += [(c, "equal training FLOPs", flops_ood) for c in flops
                if (c.key, c.mean, c.n) not in same_tests]
-    wanted += [(c, trend, {}) for c in size_cmp]
+    wanted += [(c, f"the size trend at {_size_of(study, c.ref)} ({study.steps:,} steps, seeds "
+                f"0–{study.size_seeds - 1})", {}) for c in size_cmp]
     lines = [f"- {c.key}, {budget}: {_line(c, ood, study.alpha)}." for c, budget, ood in wanted]
     primary = []
     if study.primary:
@@ -335,9 +337,10 @@ def _table(study: Study, results: Results, title: str, steps: Mapping[str, int],
            comparisons: list[Comparison], milton: list[Comparison], out: Path | None,
            figure: str | None) -> list[str]:
     head = ["config", "params", "lr", "steps", "training FLOPs", "seeds", "val bits/byte",
-            "Milton bits/byte", "diverged", "spikes", "max grad norm", "tokens/s"]
+            "Milton bits/byte", "diverged", "spikes", "max grad norm", "tokens/s (median)"]
     lines = [title, "", "Each config at its best rate; bits per byte as mean ± sd over the "
-             "seeds that did not diverge.", "", _row(head), _rule(head)]
+             "seeds that did not diverge; tokens/s the median over the seeds.", "",
+             _row(head), _rule(head)]
     for name in study.configs:
         if steps and name not in steps and name not in (study.baseline, study.control):
             continue
@@ -509,12 +512,18 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
             rates = ", ".join(rate_text(r) for r in sorted(results.sweep_records(name)))
             lines.append(f"- {name}: every rate of its sweep diverged ({rates}); no seeds "
                          "were trained, so it has no comparison.")
-    for table, comparisons in (("equal steps", main), ("equal FLOPs", flops),
-                               ("the size trend", sizes)):
-        for c in comparisons:
-            lines.append(f"- {c.key} ({table}): {c.size()}, {c.n} seeds: **{c.words}** "
-                         f"(Holm p {_p(c.p_holm)}, TOST p {_p(c.tost)}).")
+    labelled = [*((c, "equal steps") for c in main), *((c, "equal FLOPs") for c in flops),
+                *((c, f"the size trend at {_size_of(study, c.ref)}") for c in sizes)]
+    for c, table in labelled:
+        lines.append(f"- {c.key} ({table}): {c.size()}, {c.n} seeds: **{c.words}** "
+                     f"(Holm p {_p(c.p_holm)}, TOST p {_p(c.tost)}).")
     return lines + slopes + [""]
+
+
+def _size_of(study: Study, name: str) -> str:
+    """The size of the trend that config `name` (a config, or one at a size) is at."""
+    return next(size for size in study.sizes for config in study.size_configs
+                if study.sized(config, size) == name)
 
 
 def _drawn(drawn: bool, png: Path) -> bool:

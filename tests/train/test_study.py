@@ -320,8 +320,10 @@ def test_report_from_hand_written_runs(study_file: Path):
     assert "shakespeare_cem vs shakespeare_llama_scalar, equal training FLOPs" in summary
     assert "shakespeare_cem_mlp vs shakespeare_cem, equal training FLOPs" in summary
     assert "shakespeare_cem_mlp vs shakespeare_llama, equal training FLOPs" not in summary
-    assert ("- shakespeare_cem-d64 vs shakespeare_llama-d64, the size trend (1,500 steps, "
-            "seeds 0–2): higher by") in summary  # and the slope of the gap over sizes:
+    assert ("- shakespeare_cem-d64 vs shakespeare_llama-d64, the size trend at d64 (1,500 steps, "
+            "seeds 0–2): higher by") in summary
+    assert "- shakespeare_cem vs shakespeare_llama, the size trend at d128 (" in summary  # as is
+    # and the slope of the gap over sizes:
     assert "- shakespeare_cem − shakespeare_llama: the gap changes by" in summary
     assert "Holm-adjusted over the 14 distinct in-domain comparisons of this report" in text
     assert text.index("**Scale.** Models of") < text.index("## Summary")
@@ -494,6 +496,19 @@ def test_a_record_another_study_made_or_a_broken_one_is_refused(study_file: Path
         assert err.startswith(f"cem-study: error: {path} is not a run's record ({problem}); "
                               "delete it") and err.count("\n") == 1, err
     assert not (study_file.parent / "results.md").exists()  # nothing written from bad records
+
+
+def test_a_record_of_a_config_the_study_does_not_name_is_left_out_with_a_warning(
+        study_file: Path, capsys):
+    records = study_file.parent / "runs"
+    rec = json.loads((records / "shakespeare_cem_lr1e-2_steps1500_seed0.json").read_text())
+    stray = {**rec, "name": "shakespeare_gone", "val": {**rec["val"], "bits_per_byte": 9.0}}
+    (records / "shakespeare_gone_lr1e-2_steps1500_seed0.json").write_text(json.dumps(stray))
+    assert main([str(study_file), "--report-only"]) == 0
+    assert capsys.readouterr().err == (
+        f"cem-study: warning: records in {records} name configs the study does not "
+        "(shakespeare_gone): the report leaves them out\n")
+    assert "shakespeare_gone" not in (study_file.parent / "results.md").read_text()
 
 
 def test_report_only_without_a_records_folder_keeps_the_report(study_file: Path, capsys):
