@@ -101,18 +101,28 @@ def equivalence_margin(n: int, sd: float, alpha: float = 0.05, power: float = 0.
                  * sd / math.sqrt(n))
 
 
+MAX_SEEDS = 10_000  # beyond any study: a plan that needs more has a field out of range
+
+
 def seeds_for_equivalence(margin: float, sd: float, alpha: float = 0.05, power: float = 0.8,
                           delta: float = 0.0) -> int:
     """The smallest number of paired seeds n >= 2 whose `equivalence_margin` (at a true
     difference `delta`) is <= margin; raises ValueError unless margin and sd are > 0 and
-    |delta| < margin."""
+    |delta| < margin, or when more than `MAX_SEEDS` would be needed."""
     if margin <= 0 or sd <= 0 or abs(delta) >= margin:
         raise ValueError(f"margin and sd must be > 0 and |delta| < margin, got margin={margin}, "
                          f"sd={sd}, delta={delta}")
-    n = 2
-    while equivalence_margin(n, sd, alpha, power, delta) > margin:
-        n += 1
-    return n
+    def enough(n: int) -> bool:  # the margin shrinks as n grows: search by halving
+        return equivalence_margin(n, sd, alpha, power, delta) <= margin
+
+    if enough(MAX_SEEDS):
+        low, high = 1, MAX_SEEDS  # not enough(low) or low == 1; enough(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if enough(mid) else (mid, high)
+        return max(high, 2)
+    raise ValueError(f"more than {MAX_SEEDS:,} seeds would be needed (margin {margin}, sd {sd}, "
+                     f"alpha {alpha}, power {power}, delta {delta})")
 
 
 def slope_interval(x: list[float], y: list[float], level: float = 0.95) -> Interval | None:

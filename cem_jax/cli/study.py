@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cem_jax import exits
-from cem_jax.train_config import load_config
 
 if TYPE_CHECKING:
     from cem_jax.study.analysis import Results
@@ -47,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from cem_jax.study.plan import flops_steps, load_study  # no JAX: a bad file answers at once
+    from cem_jax.train_config import load_config
 
     try:
         study = load_study(args.study)
@@ -69,10 +69,13 @@ def _run(args: argparse.Namespace) -> int:
         flops = {name: step_flops(load_config(c.file, [*study.overrides, *c.overrides]))
                  for name, c in study.all_configs().items()}
         _check_writable(study.report.parent, "report")
-        if args.report_only and not study.records.is_dir():
+        if not study.records.is_dir() and (args.report_only or study.report.exists()):
+            why = ("there is nothing to report" if args.report_only else
+                   f"its report {study.report} is from records elsewhere")
             raise ValueError(f"{study.records}, the folder of the study's records, is not a "
-                             f"folder: there is nothing to report (the report is left as it "
-                             f"was); set records in {args.study}")
+                             f"folder: {why} (the report is left as it was); set records in "
+                             f"{args.study}" + ("" if args.report_only else
+                                                f", or delete {study.report} to start afresh"))
         if not args.report_only:
             _check_writable(study.records, "records")
             dirty = dirty_tree(outputs=outputs(study))

@@ -269,10 +269,15 @@ def load_study(path: str | Path) -> Study:
         raise ValueError(f"{path}: assumed_delta {study.assumed_delta} must be below the margin "
                          f"{study.margin} (no number of seeds shows equivalence at a true "
                          "difference as large as the margin)")
-    if study.steps == study.sweep_steps and study.sweep_seed < study.seeds:
+    try:
+        seeds = study.seeds
+    except ValueError as err:
+        raise ValueError(f"{path}: margin, planning_sd, alpha, power and assumed_delta plan no "
+                         f"study: {err}") from None
+    if study.steps == study.sweep_steps and study.sweep_seed < seeds:
         raise ValueError(f"{path}: sweep.seed {study.sweep_seed} is one of the reported seeds "
-                         f"0-{study.seeds - 1}, and the sweep has their steps: give the sweep "
-                         f"a seed >= {study.seeds} (a run is named by its rate, steps and seed)")
+                         f"0-{seeds - 1}, and the sweep has their steps: give the sweep "
+                         f"a seed >= {seeds} (a run is named by its rate, steps and seed)")
     named = {study.baseline, *([study.control] if study.control else []),
              *study.flops_configs, *study.size_configs, *(primary or []),
              *(c.parent for c in configs.values() if c.parent)}

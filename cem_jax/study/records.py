@@ -107,7 +107,8 @@ def _of(kind: type) -> Callable[[object], bool]:
     return lambda value: isinstance(value, kind) and not isinstance(value, bool)
 
 
-_is_number = _of(int | float)
+def _is_number(value) -> bool:
+    return _of(int | float)(value) and math.isfinite(value)
 
 
 def _is_curve(value) -> bool:
@@ -117,32 +118,52 @@ def _is_curve(value) -> bool:
         (p[1] is None or _is_number(p[1])) for p in value)
 
 
-# What the report reads of a record (the module docstring), as checks of its value.
+def _is_descent(value) -> bool:
+    """{sub-layer: {"down": [[fraction per layer], ...]}, ...}"""
+    return isinstance(value, dict) and all(
+        isinstance(v, dict) and isinstance(v.get("down"), list) for v in value.values())
+
+
+# What the report reads of a record (the module docstring), as checks of its value; a mapping
+# is a field with fields of its own.
 _FIELDS = {"name": _of(str), "lr": _is_number, "steps": _of(int), "seed": _of(int),
            "config": _of(str), "cem_train_args": _of(list),
            "status": lambda v: v in ("ok", "diverged"), "params": _of(int),
-           "training_flops": _is_number,
-           "val": lambda v: v is None or isinstance(v, dict) and _is_number(v.get("bits_per_byte")),
+           "training_flops": _is_number, "val": lambda v: v is None or isinstance(v, dict),
            "val_curve": _is_curve, "train_loss": _is_curve, "grad_norm": _is_curve,
            "tokens_per_s": lambda v: v is None or _is_number(v), "wall_s": _is_number,
-           "ran": _of(dict)}
-_MEASURES = {"ood_bits_per_byte": _is_number, "ood_loss": _is_number, "descent": _of(dict),
-             "descent_init": _of(dict), "descent_tokens": _of(int)}  # reported runs only
+           "ran": {"date": _of(str), "commit": _of(str)}}
+_VAL = {"bits_per_byte": _is_number}
+_MEASURES = {"ood_bits_per_byte": _is_number, "ood_loss": _is_number, "descent": _is_descent,
+             "descent_init": _is_descent, "descent_tokens": _of(int),  # reported runs only
+             "completed": {"commit": _of(str), "date": _of(str), "fields": _of(list)}}
 
 
 def _malformed(rec) -> str:
     """What makes `rec` no record ("" when nothing): a field missing or of the wrong kind."""
     if not isinstance(rec, dict):
         return f"a {type(rec).__name__}, not a mapping of fields"
-    for name, check in _FIELDS.items():
-        if name not in rec:
-            return f"no field {name!r}"
-        if not check(rec[name]):
-            return f"{name} is {json.dumps(rec[name])[:60]}"
-    if rec["status"] == "ok" and rec["val"] is None:
-        return "val is null though status is ok"
-    return next((f"{name} is {json.dumps(rec[name])[:60]}" for name, check in _MEASURES.items()
-                 if name in rec and not check(rec[name])), "")
+    problem = _wrong(rec, _FIELDS) or _wrong(rec, _MEASURES, optional=True)
+    if problem or rec["val"] is None:
+        return problem or ("val is null though status is ok" if rec["status"] == "ok" else "")
+    return _wrong(rec["val"], _VAL, "val.")
+
+
+def _wrong(fields: dict, checks: dict, prefix: str = "", optional: bool = False) -> str:
+    """The first of `checks` that `fields` lacks (unless `optional`) or fails, in words."""
+    for name, check in checks.items():
+        if name not in fields:
+            if optional:
+                continue
+            return f"no field {prefix + name!r}"
+        value = fields[name]
+        if isinstance(check, dict) and isinstance(value, dict):
+            problem = _wrong(value, check, f"{prefix}{name}.")
+            if problem:
+                return problem
+        elif isinstance(check, dict) or not check(value):
+            return f"{prefix}{name} is {json.dumps(value)[:60]}"
+    return ""
 
 
 def _made_otherwise(rec: dict, config: str, args: list[str]) -> str:

@@ -79,6 +79,16 @@ def test_seed_count_and_margin_by_hand():
     assert seeds_for_equivalence(0.02, 0.0135) == 6  # at Δ = 0, 80% power
     with pytest.raises(ValueError, match=r"\|delta\| < margin"):
         seeds_for_equivalence(0.02, 0.0135, delta=0.02)
+    # the first n, found by halving, is the one counting up finds
+    for margin, sd, delta in [(0.05, 0.03, 0.0), (0.02, 0.0135, 0.006), (0.01, 0.03, 0.002)]:
+        n = seeds_for_equivalence(margin, sd, delta=delta)
+        assert equivalence_margin(n, sd, delta=delta) <= margin
+        assert n == 2 or equivalence_margin(n - 1, sd, delta=delta) > margin
+    # a plan past any study (a hang when counting up without end): refused
+    with pytest.raises(ValueError, match="more than 10,000 seeds would be needed"):
+        seeds_for_equivalence(1e-6, 0.03)
+    with pytest.raises(ValueError, match="more than 10,000 seeds would be needed"):
+        seeds_for_equivalence(0.02, 0.0135, alpha=1e-300)
 
 
 def test_tost_against_scipy_one_sided_tests():
@@ -486,9 +496,14 @@ def test_a_record_another_study_made_or_a_broken_one_is_refused(study_file: Path
     for change, problem in [
             ({"val": None}, "no field 'val'"), ({"ran": None}, "no field 'ran'"),  # None: drop
             ({"lr": "0.01"}, 'lr is "0.01"'), ({"status": "weird"}, 'status is "weird"'),
-            ({"val": {"bits_per_byte": "x"}}, 'val is {"bits_per_byte": "x"}'),
+            ({"val": {"bits_per_byte": "x"}}, 'val.bits_per_byte is "x"'),
+            ({"val": {"bits_per_byte": math.nan}}, "val.bits_per_byte is NaN"),
+            ({"lr": math.nan}, "lr is NaN"), ({"ran": {}}, "no field 'ran.date'"),
+            ({"ran": {**rec["ran"], "commit": 5}}, "ran.commit is 5"),
             ({"train_loss": [[1]]}, "train_loss is [[1]]"),
-            ({"ood_bits_per_byte": "2.5"}, 'ood_bits_per_byte is "2.5"')]:
+            ({"ood_bits_per_byte": "2.5"}, 'ood_bits_per_byte is "2.5"'),
+            ({"descent": {"attention": {}}}, 'descent is {"attention": {}}'),
+            ({"completed": "x"}, 'completed is "x"')]:
         broken = {k: v for k, v in {**rec, **change}.items() if v is not None}
         path.write_text(json.dumps(broken))
         assert main([str(study_file), "--report-only"]) == 2
@@ -522,7 +537,13 @@ def test_report_only_without_a_records_folder_keeps_the_report(study_file: Path,
         f"cem-study: error: {spec['records']}, the folder of the study's records, is not a "
         f"folder: there is nothing to report (the report is left as it was); set records in "
         f"{study_file}\n")
+    assert main([str(study_file), "--max-runs", "0"]) == 2  # a mistyped records path
+    assert capsys.readouterr().err == (
+        f"cem-study: error: {spec['records']}, the folder of the study's records, is not a "
+        f"folder: its report {report} is from records elsewhere (the report is left as it "
+        f"was); set records in {study_file}, or delete {report} to start afresh\n")
     assert report.read_text() == "the report of 6 runs\n"
+    assert not Path(spec["records"]).exists()
 
 
 def test_a_signal_while_the_report_is_written_stops_after_it(study_file: Path, capsys,
@@ -589,6 +610,8 @@ def test_a_negative_bound_is_refused(study_file: Path, capsys, option):
      "primary must be {row: CONFIG, ref: CONFIG, named: WHEN}"),
     ({"primary.row": "shakespeare_cme"}, "shakespeare_cme is named but is not one of its configs"),
     ({"assumed_delta": 0.05}, "assumed_delta 0.05 must be below the margin 0.05"),
+    ({"margin": 1e-6}, "margin, planning_sd, alpha, power and assumed_delta plan no study: more "
+                       "than 10,000 seeds would be needed"),
 ])
 def test_a_bad_study_file_is_one_line_naming_the_field(study_file: Path, capsys, change,
                                                        message):
