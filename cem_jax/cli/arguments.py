@@ -1,12 +1,14 @@
 """The argument parsers of the commands whose modules import JAX: `cem-train`, `cem-sample` and
-`cem-eval`. This module imports no JAX (an import contract of pyproject.toml), so that `--help`
-and a usage error (exit status 2) answer at once: each command (`cem_jax.cli.train`, `.sample`,
-`.evaluate`) parses its arguments with these, then imports the library that runs it.
+`cem-eval`, and the argparse types the commands share. This module imports no JAX (an import
+contract of pyproject.toml), so that `--help` and a usage error (exit status 2) answer at once:
+each command (`cem_jax.cli.train`, `.sample`, `.evaluate`) parses its arguments with these, then
+imports the library that runs it.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 
 TRAIN_DESCRIPTION = ("`cem-train`: train a CEM (or Llama) language model on a device mesh, "
@@ -18,6 +20,25 @@ def positive_int(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
+
+
+def count(text: str) -> int:
+    """argparse type: `text` as an integer >= 0; raises argparse.ArgumentTypeError otherwise."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return int(text)
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: `text` as a number >= 0 (inf included, nan not); raises
+    argparse.ArgumentTypeError otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
+    return value
 
 
 def train_parser() -> argparse.ArgumentParser:

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cem_jax import exits
-from cem_jax.cli.arguments import positive_int
+from cem_jax.cli.arguments import count, positive_int
 from cem_jax.compare.plan import BUDGETS, default_baseline, plan_tables, run_specs
 from cem_jax.data import files
 from cem_jax.train_config import load_config
@@ -174,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ood", default="milton", metavar="CORPUS",
                         help="out-of-domain text: milton (default), none, or a file, glob or "
                         "FORMAT:PATH")
-    parser.add_argument("--descent-batches", type=_count, default=4, metavar="N",
+    parser.add_argument("--descent-batches", type=count, default=4, metavar="N",
                         help="validation batches of the energy descent statistics (0: none)")
     parser.add_argument("--recursion-configs", nargs="+", metavar="CONFIG",
                         help="configs whose runs are evaluated at --recursion-steps")
@@ -188,13 +188,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides applied to every config (as cem-train's)")
     return parser
-
-
-def _count(text: str) -> int:
-    """`text` as an integer >= 0; raises argparse.ArgumentTypeError otherwise."""
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
-    return int(text)
 
 
 def _int_list(text: str) -> list[int]:

@@ -25,11 +25,12 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cem_jax import exits
+from cem_jax.cli.arguments import count, non_negative_float
 
 if TYPE_CHECKING:
     from cem_jax.study.analysis import Results
@@ -161,26 +162,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cem-study",
                                      description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("study", help="the study's YAML file, e.g. docs/study/study.yaml")
-    parser.add_argument("--max-runs", type=_at_least_0(int), metavar="N",
+    parser.add_argument("--max-runs", type=count, metavar="N",
                         help="train at most N runs in this invocation (default: all; 0: "
                         "none, only complete records and write the report)")
-    parser.add_argument("--hours", type=_at_least_0(float), metavar="H",
+    parser.add_argument("--hours", type=non_negative_float, metavar="H",
                         help="start no run after H hours (default: no limit)")
     parser.add_argument("--report-only", action="store_true",
                         help="train nothing: regenerate the report from the files")
     return parser
-
-
-def _at_least_0(kind: type) -> Callable[[str], float]:
-    """An argparse type: a number of `kind` that is 0 or more."""
-    def parse(text: str):
-        value = kind(text)
-        if not value >= 0:  # nan too
-            raise argparse.ArgumentTypeError(f"{text}: give 0 or more")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
-    return parse
 
 
 if __name__ == "__main__":
