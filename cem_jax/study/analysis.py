@@ -147,6 +147,12 @@ class Results:
         results = self.sweep(name)
         return best_rate(sweep_rates(self.study, name, results), results)
 
+    def best_at_edge(self, name: str) -> bool:
+        """The config's best rate is the lowest or highest rate its sweep tried, so its optimum
+        may lie beyond them."""
+        best, tried = self.best_rate(name), self.sweep(name)
+        return best is not None and best in (min(tried), max(tried))
+
     def all_diverged(self, name: str) -> bool:
         """The config's sweep is done and every rate of it diverged (no seeds are planned)."""
         results = self.sweep(name)

@@ -249,13 +249,15 @@ def _summary(study: Study, results: Results, main: list[Comparison], flops: list
                if (c.key, c.mean, c.n) not in same_tests]
     wanted += [(c, f"the size trend at {_size_of(study, c.ref)} ({study.steps:,} steps, seeds "
                 f"0–{study.size_seeds - 1})", {}) for c in size_cmp]
-    lines = [f"- {c.key}, {budget}: {_line(c, ood, study.alpha)}." for c, budget, ood in wanted]
+    lines = [f"- {c.key}, {budget}: {_line(c, ood, study.alpha)}{_edge_note(results, c)}."
+             for c, budget, ood in wanted]
     primary = []
     if study.primary:
         found = next((c for c in main if (c.row, c.ref) == study.primary), None)
         row, ref = study.primary
         primary = [PRIMARY, f"**Primary** ({study.primary_named}): {row} vs {ref}, "
                    f"{study.steps:,} steps: " + (_primary(study, found, by_key.get(found.key))
+                                                 + _edge_note(results, found)
                                                  if found else "no two seeds in common yet."),
                    ""]
     return ["## Summary", "",
@@ -265,6 +267,14 @@ def _summary(study: Study, results: Results, main: list[Comparison], flops: list
             "evaluated there; a Holm-adjusted p is given where it does not confirm a difference "
             "the interval shows.", "", *primary, SUMMARY_START,
             *(lines or ["No comparison has two seeds yet."]), *slopes, SUMMARY_END, ""]
+
+
+def _edge_note(results: Results, c: Comparison) -> str:
+    """A comparison's caveat for each side whose best rate is at an edge of its sweep ("" when
+    none is): a rate beyond it may change Δ."""
+    edges = [f"{name}'s best rate, {rate_text(results.best_rate(name))}, is at an edge of the "
+             "rates its sweep tried" for name in (c.row, c.ref) if results.best_at_edge(name)]
+    return f" ({'; '.join(edges)}: a rate beyond it may change this Δ)" if edges else ""
 
 
 def _primary(study: Study, c: Comparison, ood: Comparison | None) -> str:
@@ -317,7 +327,7 @@ def _sweep(study: Study, results: Results, out: Path) -> list[str]:
         cells = [("diverged" if diverged(recs[r]) else f"{recs[r]['val']['bits_per_byte']:.4f}")
                  if r in recs else "–" for r in rates]
         best = results.best_rate(name)
-        edge = best is not None and best in (min(recs), max(recs))
+        edge = results.best_at_edge(name)
         bad = [rate_text(r) for r, rec in sorted(recs.items()) if diverged(rec)]
         lines.append(_row([name, *cells, (rate_text(best) + " (edge)" * edge) if best
                            else "none: every rate diverged" if results.all_diverged(name)
@@ -494,7 +504,7 @@ def _descent(study: Study, results: Results, out: Path) -> list[str]:
 def _reading(study: Study, results: Results, main: list[Comparison], flops: list[Comparison],
              sizes: list[Comparison], slopes: list[str]) -> list[str]:
     lines = ["## Reading", "", "Each sentence restates a number of the tables above.", ""]
-    for name in study.configs:
+    for name in study.all_configs():
         best = results.best_rate(name)
         if best is not None:
             bad = [rate_text(r) for r, rec in sorted(results.sweep_records(name).items())
@@ -506,6 +516,7 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
                          f"diverged, {_count(len(at), 'loss spike')}"
                          + (f" ({', '.join(at)})" if at else "")) if runs else ""
             lines.append(f"- {name}: best rate {rate_text(best)} of the sweep"
+                         + (", at an edge of the rates it tried" * results.best_at_edge(name))
                          + (f" (diverged at {', '.join(bad)})" if bad else " (no rate diverged)")
                          + stability + ".")
         elif results.all_diverged(name):
@@ -516,7 +527,7 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
                 *((c, f"the size trend at {_size_of(study, c.ref)}") for c in sizes)]
     for c, table in labelled:
         lines.append(f"- {c.key} ({table}): {c.size()}, {c.n} seeds: **{c.words}** "
-                     f"(Holm p {_p(c.p_holm)}, TOST p {_p(c.tost)}).")
+                     f"(Holm p {_p(c.p_holm)}, TOST p {_p(c.tost)}){_edge_note(results, c)}.")
     return lines + slopes + [""]
 
 

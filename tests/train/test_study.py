@@ -439,6 +439,30 @@ def test_a_sweep_whose_every_rate_diverged(study_file: Path):
     assert "shakespeare_cem_attn vs" not in text and "The study is complete." in text
 
 
+def test_a_best_rate_at_its_sweeps_edge_is_said_beside_each_comparison(study_file: Path):
+    """The tied d64 config's best rate is still the lowest it tried once `extend` is spent:
+    every comparison with it says so, those without it do not."""
+    records = study_file.parent / "runs"
+    _write(records, _record("shakespeare_cem-d64", 0.005, 300, 0, 2.4))  # best of the grid
+    _write(records, _record("shakespeare_cem-d64", 0.0025, 300, 0, 2.3))  # the one added
+    for seed, bpb in enumerate(D64["shakespeare_cem"]):
+        (records / f"shakespeare_cem-d64_lr1e-2_steps1500_seed{seed}.json").unlink()
+        _write(records, _record("shakespeare_cem-d64", 0.0025, 1500, seed, bpb, params=300))
+    assert main([str(study_file), "--report-only"]) == 0
+    text = load_study(study_file).report.read_text()
+    note = ("(shakespeare_cem-d64's best rate, 2.5e-3, is at an edge of the rates its sweep "
+            "tried: a rate beyond it may change this Δ).")
+    trend = [ln for ln in text.splitlines() if "shakespeare_cem-d64 vs shakespeare_llama-d64"
+             in ln and not ln.startswith("|")]
+    assert len(trend) == 2 and all(ln.endswith(note) for ln in trend)  # summary, reading
+    assert text.count("is at an edge of the rates its sweep tried") == 2
+    assert _table_row(text, "shakespeare_cem-d64")[-3] == "2.5e-3 (edge)"
+    assert ("- shakespeare_cem-d64: best rate 2.5e-3 of the sweep, at an edge of the rates it "
+            "tried (no rate diverged); at it, 0 of 3 seeds diverged, 0 loss spikes.") in text
+    assert ("- shakespeare_llama-d64: best rate 1e-2 of the sweep (no rate diverged); at it, "
+            "0 of 3 seeds diverged, 0 loss spikes.") in text
+
+
 def test_one_colour_per_config_in_every_figure(study_file: Path):
     study = load_study(study_file)
     found = colours(study)
