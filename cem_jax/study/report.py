@@ -249,15 +249,15 @@ def _summary(study: Study, results: Results, main: list[Comparison], flops: list
                if (c.key, c.mean, c.n) not in same_tests]
     wanted += [(c, f"the size trend at {_size_of(study, c.ref)} ({study.steps:,} steps, seeds "
                 f"0–{study.size_seeds - 1})", {}) for c in size_cmp]
-    lines = [f"- {c.key}, {budget}: {_line(c, ood, study.alpha)}{_edge_note(results, c)}."
-             for c, budget, ood in wanted]
+    lines = [f"- {c.key}, {budget}: {_line(c, ood, study.alpha)}"
+             f"{_bracketed(_edge_note(results, c))}." for c, budget, ood in wanted]
     primary = []
     if study.primary:
         found = next((c for c in main if (c.row, c.ref) == study.primary), None)
         row, ref = study.primary
         primary = [PRIMARY, f"**Primary** ({study.primary_named}): {row} vs {ref}, "
                    f"{study.steps:,} steps: " + (_primary(study, found, by_key.get(found.key))
-                                                 + _edge_note(results, found)
+                                                 + _bracketed(_edge_note(results, found))
                                                  if found else "no two seeds in common yet."),
                    ""]
     return ["## Summary", "",
@@ -271,10 +271,16 @@ def _summary(study: Study, results: Results, main: list[Comparison], flops: list
 
 def _edge_note(results: Results, c: Comparison) -> str:
     """A comparison's caveat for each side whose best rate is at an edge of its sweep ("" when
-    none is): a rate beyond it may change Δ."""
+    none is): a rate beyond it may change Δ. Bracket it, or join it to a bracket, to use it."""
     edges = [f"{name}'s best rate, {rate_text(results.best_rate(name))}, is at an edge of the "
              "rates its sweep tried" for name in (c.row, c.ref) if results.best_at_edge(name)]
-    return f" ({'; '.join(edges)}: a rate beyond it may change this Δ)" if edges else ""
+    beyond = "it" if len(edges) == 1 else "either"
+    return f"{'; '.join(edges)}: a rate beyond {beyond} may change this Δ" if edges else ""
+
+
+def _bracketed(text: str) -> str:
+    """` (text)`, or "" for no text."""
+    return f" ({text})" if text else ""
 
 
 def _primary(study: Study, c: Comparison, ood: Comparison | None) -> str:
@@ -526,8 +532,9 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
     labelled = [*((c, "equal steps") for c in main), *((c, "equal FLOPs") for c in flops),
                 *((c, f"the size trend at {_size_of(study, c.ref)}") for c in sizes)]
     for c, table in labelled:
+        edge = _edge_note(results, c)
         lines.append(f"- {c.key} ({table}): {c.size()}, {c.n} seeds: **{c.words}** "
-                     f"(Holm p {_p(c.p_holm)}, TOST p {_p(c.tost)}){_edge_note(results, c)}.")
+                     f"(Holm p {_p(c.p_holm)}, TOST p {_p(c.tost)}{'; ' * bool(edge)}{edge}).")
     return lines + slopes + [""]
 
 

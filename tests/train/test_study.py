@@ -441,26 +441,45 @@ def test_a_sweep_whose_every_rate_diverged(study_file: Path):
 
 def test_a_best_rate_at_its_sweeps_edge_is_said_beside_each_comparison(study_file: Path):
     """The tied d64 config's best rate is still the lowest it tried once `extend` is spent:
-    every comparison with it says so, those without it do not."""
+    every comparison with it says so, in one bracket, those without it do not; when the Llama
+    d64's best is at an edge too, both are named and "either" replaces "it"."""
     records = study_file.parent / "runs"
-    _write(records, _record("shakespeare_cem-d64", 0.005, 300, 0, 2.4))  # best of the grid
-    _write(records, _record("shakespeare_cem-d64", 0.0025, 300, 0, 2.3))  # the one added
-    for seed, bpb in enumerate(D64["shakespeare_cem"]):
-        (records / f"shakespeare_cem-d64_lr1e-2_steps1500_seed{seed}.json").unlink()
-        _write(records, _record("shakespeare_cem-d64", 0.0025, 1500, seed, bpb, params=300))
-    assert main([str(study_file), "--report-only"]) == 0
-    text = load_study(study_file).report.read_text()
-    note = ("(shakespeare_cem-d64's best rate, 2.5e-3, is at an edge of the rates its sweep "
+
+    def best_at(name, sweep, rate, values):
+        for lr, bpb in sweep.items():
+            _write(records, _record(name, lr, 300, 0, bpb))
+        for seed, bpb in enumerate(values):
+            (records / f"{name}_lr1e-2_steps1500_seed{seed}.json").unlink()
+            _write(records, _record(name, rate, 1500, seed, bpb, params=300))
+        assert main([str(study_file), "--report-only"]) == 0
+        text = load_study(study_file).report.read_text()
+        trend = [ln for ln in text.splitlines() if "shakespeare_cem-d64 vs shakespeare_llama-d64"
+                 in ln and not ln.startswith("|")]
+        assert len(trend) == 2  # the summary's line, the reading's
+        return text, trend
+
+    # 5e-3 is the grid's best; 2.5e-3, the one rate `extend` adds, beats it
+    text, (summary, reading) = best_at("shakespeare_cem-d64", {0.005: 2.4, 0.0025: 2.3}, 0.0025,
+                                       D64["shakespeare_cem"])
+    note = ("shakespeare_cem-d64's best rate, 2.5e-3, is at an edge of the rates its sweep "
             "tried: a rate beyond it may change this Δ).")
-    trend = [ln for ln in text.splitlines() if "shakespeare_cem-d64 vs shakespeare_llama-d64"
-             in ln and not ln.startswith("|")]
-    assert len(trend) == 2 and all(ln.endswith(note) for ln in trend)  # summary, reading
+    assert summary.endswith(f"per-token perplexity, 3 seeds: **worse** ({note}")
+    assert re.search(r"\(Holm p [^()]+, TOST p [^();]+; " + re.escape(note) + "$", reading)
     assert text.count("is at an edge of the rates its sweep tried") == 2
     assert _table_row(text, "shakespeare_cem-d64")[-3] == "2.5e-3 (edge)"
     assert ("- shakespeare_cem-d64: best rate 2.5e-3 of the sweep, at an edge of the rates it "
             "tried (no rate diverged); at it, 0 of 3 seeds diverged, 0 loss spikes.") in text
     assert ("- shakespeare_llama-d64: best rate 1e-2 of the sweep (no rate diverged); at it, "
             "0 of 3 seeds diverged, 0 loss spikes.") in text
+
+    # 2e-2 becomes the grid's best; 4e-2, the one rate `extend` adds, beats it
+    text, trend = best_at("shakespeare_llama-d64", {0.02: 2.4, 0.04: 2.3}, 0.04,
+                          D64["shakespeare_llama"])
+    both = ("shakespeare_cem-d64's best rate, 2.5e-3, is at an edge of the rates its sweep "
+            "tried; shakespeare_llama-d64's best rate, 4e-2, is at an edge of the rates its "
+            "sweep tried: a rate beyond either may change this Δ).")
+    assert all(ln.endswith(both) for ln in trend)
+    assert text.count("is at an edge of the rates its sweep tried") == 4
 
 
 def test_one_colour_per_config_in_every_figure(study_file: Path):
