@@ -269,3 +269,25 @@ def main_pairs(results: Results, steps: Mapping[str, int] | None = None,
                               max(0, s.seeds - min(runs, ref_runs)),
                               results.bytes_per_token(ref, steps.get(ref), split)))
     return pairs
+
+
+def size_pairs(results: Results, split: str = "validation") -> list[Pair]:
+    """The size trend's comparisons on `split`: at each size, every config of the trend against
+    the baseline at that size, over the first `sizes.seeds` seeds."""
+    s, seeds = results.study, results.study.size_seeds
+
+    def side(name: str) -> tuple[dict[int, float], set[int], int]:
+        return (results.values(name, seeds=seeds, split=split),
+                results.diverged(name, seeds=seeds), sum(k < seeds for k in results.runs(name)))
+
+    pairs = []
+    for size in s.sizes:
+        ref = s.sized(s.baseline, size)
+        ref_values, ref_bad, ref_runs = side(ref)
+        for name in s.size_configs:
+            if name != s.baseline:
+                values, bad, runs = side(s.sized(name, size))
+                pairs.append(Pair(s.sized(name, size), values, ref, ref_values, bad | ref_bad,
+                                  max(0, seeds - min(runs, ref_runs)),
+                                  results.bytes_per_token(ref, split=split)))
+    return pairs

@@ -24,12 +24,12 @@ from cem_jax.study import figures
 from cem_jax.study.analysis import (
     SPIKE_NATS,
     Comparison,
-    Pair,
     Results,
     compare,
     diverged,
     main_pairs,
     max_grad_norm,
+    size_pairs,
     spike_steps,
     spikes,
 )
@@ -50,20 +50,12 @@ def write_report(study: Study, results: Results, planned: list[RunKey],
     out.parent.mkdir(parents=True, exist_ok=True)
     sizes = _sizes(results)
     flops_pairs = main_pairs(results, dict(flops_steps)) if flops_steps else []
-    tables, tests = compare({
-        "main": main_pairs(results), "flops": flops_pairs,
-        "sizes": [Pair(study.sized(n, size), by_name[n]["values"],
-                       study.sized(study.baseline, size), by_name[study.baseline]["values"],
-                       by_name[n]["diverged"] | by_name[study.baseline]["diverged"],
-                       max(0, study.size_seeds - min(by_name[n]["runs"],
-                                                     by_name[study.baseline]["runs"])),
-                       results.bytes_per_token(study.sized(study.baseline, size)))
-                  for size, by_name in sizes.items() for n in study.size_configs
-                  if n != study.baseline]}, study.margin, study.alpha)
+    tables, tests = compare({"main": main_pairs(results), "flops": flops_pairs,
+                             "sizes": size_pairs(results)}, study.margin, study.alpha)
     milton, milton_tests = compare({
         "main": main_pairs(results, split="milton"),
-        "flops": main_pairs(results, dict(flops_steps), "milton") if flops_steps else []},
-        study.margin, study.alpha)
+        "flops": main_pairs(results, dict(flops_steps), "milton") if flops_steps else [],
+        "sizes": size_pairs(results, "milton")}, study.margin, study.alpha)
     main, flops, size_cmp = tables["main"], tables["flops"], tables["sizes"]
     lines = [f"# The CEM study: {', '.join(study.configs)}", ""]
     lines += _scale(study, results)
@@ -223,15 +215,18 @@ def _margin_units(study: Study, results: Results) -> str:
             f"split's {per_token:.2f} bytes per token")
 
 
-def _line(c: Comparison, milton: Mapping[str, Comparison], alpha: float) -> str:
-    """A comparison's size first, its reading (and a Holm-adjusted p that does not confirm a
-    difference its interval shows), and the same comparison on Milton."""
+def _line(c: Comparison, milton: Mapping[str, Comparison], alpha: float, caveat: str = ""
+          ) -> str:
+    """A comparison's size first, its reading (bracketing a Holm-adjusted p that does not
+    confirm a difference its interval shows, and `caveat`), and the same comparison on
+    Milton."""
 
-    def reading(c: Comparison) -> str:
+    def reading(c: Comparison, caveat: str = "") -> str:
         unconfirmed = (c.low > 0 or c.high < 0) and c.p_holm >= alpha
-        return f"**{c.words}**" + (f" (Holm p {c.p_holm:.2g})" if unconfirmed else "")
+        holm = f"Holm p {c.p_holm:.2g}" if unconfirmed else ""
+        return f"**{c.words}**" + _bracketed("; ".join(n for n in (holm, caveat) if n))
 
-    line = f"{c.size()}, {c.n} seeds: {reading(c)}"
+    line = f"{c.size()}, {c.n} seeds: {reading(c, caveat)}"
     ood = milton.get(c.key)
     if ood is not None:
         line += f"; on Milton, {ood.size()}: {reading(ood)}"
@@ -247,17 +242,18 @@ def _summary(study: Study, results: Results, main: list[Comparison], flops: list
     wanted = [(c, f"{study.steps:,} steps", by_key) for c in main]
     wanted += [(c, "equal training FLOPs", flops_ood) for c in flops
                if (c.key, c.mean, c.n) not in same_tests]
+    sizes_ood = {c.key: c for c in milton["sizes"]}
     wanted += [(c, f"the size trend at {_size_of(study, c.ref)} ({study.steps:,} steps, seeds "
-                f"0–{study.size_seeds - 1})", {}) for c in size_cmp]
-    lines = [f"- {c.key}, {budget}: {_line(c, ood, study.alpha)}"
-             f"{_bracketed(_edge_note(results, c))}." for c, budget, ood in wanted]
+                f"0–{study.size_seeds - 1})", sizes_ood) for c in size_cmp]
+    lines = [f"- {c.key}, {budget}: {_line(c, ood, study.alpha, _edge_note(results, c))}."
+             for c, budget, ood in wanted]
     primary = []
     if study.primary:
         found = next((c for c in main if (c.row, c.ref) == study.primary), None)
         row, ref = study.primary
         primary = [PRIMARY, f"**Primary** ({study.primary_named}): {row} vs {ref}, "
-                   f"{study.steps:,} steps: " + (_primary(study, found, by_key.get(found.key))
-                                                 + _bracketed(_edge_note(results, found))
+                   f"{study.steps:,} steps: " + (_primary(study, found, by_key.get(found.key),
+                                                          _edge_note(results, found))
                                                  if found else "no two seeds in common yet."),
                    ""]
     return ["## Summary", "",
@@ -283,13 +279,14 @@ def _bracketed(text: str) -> str:
     return f" ({text})" if text else ""
 
 
-def _primary(study: Study, c: Comparison, ood: Comparison | None) -> str:
-    """The primary comparison: its estimate and reading, then equivalence and non-inferiority
-    at the margin, then Milton."""
+def _primary(study: Study, c: Comparison, ood: Comparison | None, caveat: str) -> str:
+    """The primary comparison: its estimate and reading (bracketing `caveat`), then
+    equivalence and non-inferiority at the margin, then Milton."""
     tost = "shown" if c.tost < study.alpha else "not shown"
     inferior = "shown" if c.high90 < study.margin else "not shown"
     pct = f"{1 - 2 * study.alpha:.0%}"
-    return (f"{c.size()}, {c.n} seeds: **{c.words}**. At the ±{study.margin} margin, "
+    return (f"{c.size()}, {c.n} seeds: **{c.words}**{_bracketed(caveat)}. At the "
+            f"±{study.margin} margin, "
             f"equivalence is {tost} (TOST p {_p(c.tost)}; {pct} interval [{c.low90:+.4f}, "
             f"{c.high90:+.4f}]) and non-inferiority is {inferior} (its upper bound "
             f"{c.high90:+.4f} against +{study.margin})."
@@ -397,7 +394,7 @@ def _comparisons(comparisons: list[Comparison], alpha: float) -> list[str]:
 
 
 def _sizes(results: Results) -> dict[str, dict[str, dict]]:
-    """{size: {config: {"params", "flops", "values", "diverged", "runs"}}} of the trend's configs at
+    """{size: {config: {"params", "flops", "values", "runs"}}} of the trend's configs at
     each size, over its first `sizes.seeds` seeds (at the configs' own size too)."""
     study, found = results.study, {}
     for size in study.sizes:
@@ -408,7 +405,6 @@ def _sizes(results: Results) -> dict[str, dict[str, dict]]:
             by_name[name] = {"params": first["params"] if first else None,
                              "flops": first["training_flops"] if first else None,
                              "values": results.values(sized, seeds=study.size_seeds),
-                             "diverged": results.diverged(sized, seeds=study.size_seeds),
                              "runs": sum(s < study.size_seeds for s in results.runs(sized))}
         found[size] = by_name
     return found

@@ -333,6 +333,12 @@ def test_report_from_hand_written_runs(study_file: Path):
     assert ("- shakespeare_cem-d64 vs shakespeare_llama-d64, the size trend at d64 (1,500 steps, "
             "seeds 0–2): higher by") in summary
     assert "- shakespeare_cem vs shakespeare_llama, the size trend at d128 (" in summary  # as is
+    # the size trend on Milton too, over its seeds (0–2), where its runs were evaluated there
+    trend = {size: next(ln for ln in summary.splitlines() if f"the size trend at {size} " in ln)
+             for size in ("d64", "d128")}
+    milton = _size(np.array(OOD_CEM[:3]), np.add(BASE[:3], 0.5))
+    assert f"; on Milton, {milton}: **worse" in trend["d128"]
+    assert "on Milton" not in trend["d64"]
     # and the slope of the gap over sizes:
     assert "- shakespeare_cem − shakespeare_llama: the gap changes by" in summary
     assert "Holm-adjusted over the 14 distinct in-domain comparisons of this report" in text
@@ -442,7 +448,8 @@ def test_a_sweep_whose_every_rate_diverged(study_file: Path):
 def test_a_best_rate_at_its_sweeps_edge_is_said_beside_each_comparison(study_file: Path):
     """The tied d64 config's best rate is still the lowest it tried once `extend` is spent:
     every comparison with it says so, in one bracket, those without it do not; when the Llama
-    d64's best is at an edge too, both are named and "either" replaces "it"."""
+    d64's best is at an edge too, both are named and "either" replaces "it", and the caveat
+    stays with the in-domain reading, before Milton's."""
     records = study_file.parent / "runs"
 
     def best_at(name, sweep, rate, values):
@@ -450,7 +457,8 @@ def test_a_best_rate_at_its_sweeps_edge_is_said_beside_each_comparison(study_fil
             _write(records, _record(name, lr, 300, 0, bpb))
         for seed, bpb in enumerate(values):
             (records / f"{name}_lr1e-2_steps1500_seed{seed}.json").unlink()
-            _write(records, _record(name, rate, 1500, seed, bpb, params=300))
+            _write(records, _record(name, rate, 1500, seed, bpb, params=300,
+                                    ood_bits_per_byte=bpb + 0.5))
         assert main([str(study_file), "--report-only"]) == 0
         text = load_study(study_file).report.read_text()
         trend = [ln for ln in text.splitlines() if "shakespeare_cem-d64 vs shakespeare_llama-d64"
@@ -478,7 +486,10 @@ def test_a_best_rate_at_its_sweeps_edge_is_said_beside_each_comparison(study_fil
     both = ("shakespeare_cem-d64's best rate, 2.5e-3, is at an edge of the rates its sweep "
             "tried; shakespeare_llama-d64's best rate, 4e-2, is at an edge of the rates its "
             "sweep tried: a rate beyond either may change this Δ).")
-    assert all(ln.endswith(both) for ln in trend)
+    summary, reading = trend
+    assert reading.endswith(both)
+    # both sides now have Milton: the caveat stays with the in-domain reading, before it
+    assert f"3 seeds: **worse** ({both[:-2]}); on Milton, higher by " in summary
     assert text.count("is at an edge of the rates its sweep tried") == 4
 
 
