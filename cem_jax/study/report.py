@@ -528,9 +528,9 @@ def _reading(study: Study, results: Results, main: list[Comparison], flops: list
     labelled = [*((c, "equal steps") for c in main), *((c, "equal FLOPs") for c in flops),
                 *((c, f"the size trend at {_size_of(study, c.ref)}") for c in sizes)]
     for c, table in labelled:
-        edge = _edge_note(results, c)
+        notes = (f"Holm p {_p(c.p_holm)}, TOST p {_p(c.tost)}", _edge_note(results, c))
         lines.append(f"- {c.key} ({table}): {c.size()}, {c.n} seeds: **{c.words}** "
-                     f"(Holm p {_p(c.p_holm)}, TOST p {_p(c.tost)}{'; ' * bool(edge)}{edge}).")
+                     f"({'; '.join(n for n in notes if n)}).")
     return lines + slopes + [""]
 
 
