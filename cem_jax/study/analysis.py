@@ -240,6 +240,21 @@ def compare(tables: Mapping[str, list[Pair]], margin: float, alpha: float
         for table, rows in found.items()}, len(tests)
 
 
+def _pair(results: Results, row: str, ref: str, planned: int, split: str,
+          steps: Mapping[str, int], seeds: int | None = None) -> Pair:
+    """Config `row` against `ref` on `split`, each at its `steps[name]` (default: the study's
+    steps), over the first `seeds` seeds (all when None), `planned` seeds on each side."""
+
+    def side(name: str) -> tuple[dict[int, float], set[int], int]:
+        at = steps.get(name)
+        return (results.values(name, at, seeds, split), results.diverged(name, at, seeds),
+                sum(seeds is None or k < seeds for k in results.runs(name, at)))
+
+    (values, bad, runs), (base, ref_bad, ref_runs) = side(row), side(ref)
+    return Pair(row, values, ref, base, bad | ref_bad, max(0, planned - min(runs, ref_runs)),
+                results.bytes_per_token(ref, steps.get(ref), split))
+
+
 def main_pairs(results: Results, steps: Mapping[str, int] | None = None,
                split: str = "validation") -> list[Pair]:
     """The comparisons of the main table on `split`: every config against the baseline, every
@@ -248,46 +263,22 @@ def main_pairs(results: Results, steps: Mapping[str, int] | None = None,
     its parent. `steps[name]`: the configs of an equal-FLOPs table and their steps (default:
     every config at the study's steps); the references keep the study's steps."""
     s, steps = results.study, steps or {}
-
-    def side(name: str) -> tuple[dict[int, float], set[int], int]:
-        at = steps.get(name)
-        return (results.values(name, at, split=split), results.diverged(name, at),
-                len(results.runs(name, at)))
-
     pairs = []
     for name, config in s.configs.items():
         if steps and name not in steps:
             continue
-        values, bad, runs = side(name)
         refs = [s.baseline] if name != s.baseline else []
         refs += [s.control] if s.control and name not in (s.baseline, s.control) else []
         refs += [config.parent] if config.parent and config.parent not in (s.baseline,
                                                                            s.control) else []
-        for ref in refs:
-            ref_values, ref_bad, ref_runs = side(ref)
-            pairs.append(Pair(name, values, ref, ref_values, bad | ref_bad,
-                              max(0, s.seeds - min(runs, ref_runs)),
-                              results.bytes_per_token(ref, steps.get(ref), split)))
+        pairs += [_pair(results, name, ref, s.seeds, split, steps) for ref in refs]
     return pairs
 
 
 def size_pairs(results: Results, split: str = "validation") -> list[Pair]:
     """The size trend's comparisons on `split`: at each size, every config of the trend against
     the baseline at that size, over the first `sizes.seeds` seeds."""
-    s, seeds = results.study, results.study.size_seeds
-
-    def side(name: str) -> tuple[dict[int, float], set[int], int]:
-        return (results.values(name, seeds=seeds, split=split),
-                results.diverged(name, seeds=seeds), sum(k < seeds for k in results.runs(name)))
-
-    pairs = []
-    for size in s.sizes:
-        ref = s.sized(s.baseline, size)
-        ref_values, ref_bad, ref_runs = side(ref)
-        for name in s.size_configs:
-            if name != s.baseline:
-                values, bad, runs = side(s.sized(name, size))
-                pairs.append(Pair(s.sized(name, size), values, ref, ref_values, bad | ref_bad,
-                                  max(0, seeds - min(runs, ref_runs)),
-                                  results.bytes_per_token(ref, split=split)))
-    return pairs
+    s = results.study
+    return [_pair(results, s.sized(name, size), s.sized(s.baseline, size), s.size_seeds, split,
+                  {}, s.size_seeds)
+            for size in s.sizes for name in s.size_configs if name != s.baseline]
