@@ -52,7 +52,7 @@ train: $(RUNTIME_STAMP)
 	$(PYTHON) -m cem_jax.train --config $(TRAIN_CONFIG) $(ARGS)
 
 test: $(DEV_STAMP)
-	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow and not service" $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow and not service and not tpu_compile" $(PYTEST_ARGS)
 
 test-all: $(DEV_STAMP)
 	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)

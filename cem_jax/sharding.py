@@ -86,6 +86,18 @@ def target_platform() -> str:
     return jax.default_backend() if device is None else device.platform
 
 
+def target_device_kind() -> str:
+    """The device kind being traced for ("TPU v5 lite", ...): the abstract mesh's device in
+    context, else the default device (`jax.default_device`, as Pallas reads it when lowering
+    for a TPU topology from a CPU host), else the first device; "" when it has none."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is None:
+        device = jax.config.jax_default_device
+    if device is None or isinstance(device, str):
+        device = jax.devices()[0]
+    return getattr(device, "device_kind", "")
+
+
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     """A `Mesh` of shape (data, fsdp, tensor) over `devices` (default: all, every process).
 

@@ -3,6 +3,8 @@ for tests of gs:// (`gcs_bucket`); the real Shakespeare archive (`archive_cache`
 per session); the test tiers' markers; the summary's count of the tests `make test` leaves
 out."""
 
+import glob
+import importlib.util
 import json
 import os
 import platform
@@ -25,6 +27,13 @@ settings.load_profile("cem")
 # which no emulator serves, for each bucket's type (a 60 s timeout, retried). Set for the whole
 # session, so that subprocesses inherit it too.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
+# libtpu (a dev extra) is here to compile for TPU topologies (tests/train/test_tpu_compile.py).
+# On a host without a TPU, JAX would also try it as a backend at every start, and libtpu prints
+# five lines of warnings on stderr: the tests (and their subprocesses) use the CPU only.
+if importlib.util.find_spec("libtpu") and not glob.glob("/dev/accel*") \
+        and not glob.glob("/dev/vfio/[0-9]*"):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -184,7 +193,7 @@ _DESELECTED = pytest.StashKey[int]()
 def pytest_deselected(items):
     if items:  # the slow and service tests among them (a -k deselects others too)
         stash = items[0].config.stash
-        tiered = sum(any(item.get_closest_marker(m) for m in ("slow", "service"))
+        tiered = sum(any(item.get_closest_marker(m) for m in ("slow", "service", "tpu_compile"))
                      for item in items)
         stash[_DESELECTED] = stash.get(_DESELECTED, 0) + tiered
 

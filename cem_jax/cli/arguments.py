@@ -54,14 +54,18 @@ def train_parser() -> argparse.ArgumentParser:
                              "mesh, batch, per-device memory and FLOPs; reads no data and "
                              "writes nothing")
     parser.add_argument("--target", metavar="NAME",
-                        help="with --dry-run: lower (not compile) the train step for a TPU or "
-                             "GPU topology this host lacks, e.g. tpu-v5p-32, tpu-v6e-16, "
-                             "gpu-h200-8 (cem_jax.train.targets.TARGETS), and print per-device "
-                             "state bytes, shardings and kernels")
+                        help="with --dry-run: the train step for a TPU or GPU topology this host "
+                             "lacks, e.g. tpu-v5p-32, tpu-v6e-16, gpu-h200-8 "
+                             "(cem_jax.train.targets.TARGETS): compiled by libtpu for a TPU "
+                             "where it is installed (the tpu extra), with the compiler's memory "
+                             "per chip, collectives and kernels; else lowered only")
     parser.add_argument("--num-slices", type=positive_int, metavar="N",
-                        help="with --target: lower for N slices of that topology joined by the "
+                        help="with --target: N slices of that topology joined by the "
                              "data-center network (the override mesh.num_slices=N; MaxText's "
                              "compile_topology_num_slices)")
+    parser.add_argument("--lower-only", action="store_true",
+                        help="with --target: lower the step without compiling it, even where "
+                             "libtpu is installed (a second, not a minute; memory estimated)")
     return parser
 
 
@@ -71,6 +75,9 @@ def parse_train_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.target is not None and not args.dry_run:
         parser.error("--target needs --dry-run (it lowers for the target, it does not train)")
+    if args.lower_only and args.target is None:
+        parser.error("--lower-only needs --target (a dry run on this host's devices compiles "
+                     "for them)")
     if args.num_slices is not None:
         if args.target is None:
             parser.error("--num-slices needs --target (on a real multislice job, set "

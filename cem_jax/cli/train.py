@@ -3,7 +3,7 @@
     cem-train --config configs/shakespeare_cem.yaml run.steps=200 optimizer.lr=3e-3
     python -m cem_jax.train --config configs/shakespeare_llama.yaml run.dir=runs/llama
     cem-train --config configs/cem_full_100m.yaml --dry-run   # compile only: memory, FLOPs
-    cem-train --config configs/cem_full_100m.yaml --dry-run --target tpu-v5p-32   # lower only
+    cem-train --config configs/cem_full_100m.yaml --dry-run --target tpu-v5p-32   # libtpu compiles
 
 The command reads the config, then trains (`cem_jax.train.run.train`: what a run directory
 holds, resuming, signals, divergence) or dry-runs (`cem_jax.train.dry_run`). It ends with one of
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import posixpath
 import traceback
 from collections.abc import Sequence
@@ -73,6 +74,10 @@ def run_command(args: argparse.Namespace) -> int:
         if not isinstance(err, (ValueError, FileNotFoundError)):
             raise
         return exits.report(ExitStatus.CANNOT_RUN, f"configuration error: {err}")
+    if args.target is not None and args.target.startswith("tpu-"):
+        # A dry run for a TPU target uses no local accelerator (libtpu gives the target's
+        # devices); off a TPU VM, JAX would try libtpu as a backend and print its warnings.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from cem_jax.train.dry_run import dry_run  # JAX loads here, once the config is good
     from cem_jax.train.logs import log_to_stdout
     from cem_jax.train.run import train
@@ -81,7 +86,7 @@ def run_command(args: argparse.Namespace) -> int:
     with exits.caught("cem-train"):
         try:
             if args.dry_run:
-                dry_run(cfg, target=args.target)
+                dry_run(cfg, target=args.target, compile=not args.lower_only)
                 exits.check()
             else:
                 train(cfg)

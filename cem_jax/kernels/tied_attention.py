@@ -28,6 +28,7 @@ from cem_jax.kernels.common import (
     validate,
 )
 from cem_jax.kernels.reference import tied_attention_reference
+from cem_jax.sharding import target_device_kind
 
 Array = jax.Array
 
@@ -72,7 +73,8 @@ def tied_attention(q: Array, k: Array, *, causal: bool = True, segment_ids: Arra
     Raises:
       ValueError: wrong rank, non-float or mismatched dtypes, H % G != 0, mismatched batch or
         head width, bad segment_ids, scale, block_sizes or backend; block sizes that are not
-        powers of two ≥ 16 for the compiled GPU kernel.
+        powers of two ≥ 16 for the compiled GPU kernel; tiles whose VMEM is over what Mosaic
+        gives a compiled TPU kernel (`cem_jax.kernels.tpu.check_vmem`, before compiling).
     """
     validate(q, k, causal, segment_ids, scale, block_sizes, backend)
     backend, interpret = resolve_backend(backend, interpret)
@@ -101,6 +103,8 @@ def tied_attention(q: Array, k: Array, *, causal: bool = True, segment_ids: Arra
                               num_stages=bs.num_stages, num_warps_bwd=bs.num_warps_bwd,
                               num_stages_bwd=bs.num_stages_bwd, fused_bwd=bs.fused_bwd,
                               interpret=interpret)
+        if backend == "tpu" and not interpret:
+            tpu.check_vmem(params, Kp, q.dtype.itemsize, target_device_kind())
         qp = pad_axis(pad_axis(q, 1, Tp), 3, Kp)  # no copy when nothing needs padding
         kp = pad_axis(pad_axis(k, 1, Sp), 3, Kp)
         seg = None

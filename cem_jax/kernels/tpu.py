@@ -53,6 +53,49 @@ from cem_jax.kernels.common import (
 
 Array = jax.Array
 
+MIB = 2**20
+# The scoped VMEM Mosaic gives a kernel by default, by device kind (what its compile error,
+# CompileTimeScopedVmemOom, names as the limit; read with libtpu 0.0.42): 32 MiB on v6e,
+# 16 MiB on v4, v5e and v5p.
+SCOPED_VMEM = {"TPU v6 lite": 32 * MIB}
+SCOPED_VMEM_DEFAULT = 16 * MIB
+_F32 = 4
+
+
+def vmem_lower_bound(p: KernelParams, Kp: int, itemsize: int) -> dict[str, int]:
+    """Bytes of VMEM each kernel ({"fwd", "dq", "dk"}) cannot do without at these tiles: one
+    buffer of each pipelined block, its fp32 accumulator scratch and one fp32 score tile.
+    A lower bound only: Mosaic double-buffers the blocks and keeps several score-sized
+    temporaries, so what it needs is higher, by 1.1-3x where it ran out at 16 MiB (fp32,
+    K = 256: the dk kernel at 1024 x 512 tiles needed 16.1 MiB against this 5.5; the forward
+    at 1024 x 1024 needed 20.8 against 8.0); tiles under it can still fail to compile.
+    `benchmarks/results/tpu_compile.txt` lists the compiler's figure beside it per case."""
+    bq, bk = p.block_q, p.block_k
+    fwd = (2 * bq + bk) * Kp * itemsize + bq * Kp * _F32 + bq * bk * _F32
+    bq, bk = p.block_q_bwd, p.block_k_bwd
+    dq = (3 * bq + bk) * Kp * itemsize + bq * Kp * _F32 + bq * bk * _F32
+    dk = (2 * bq + 2 * bk) * Kp * itemsize + bk * Kp * _F32 + bq * bk * _F32
+    return {"fwd": fwd, "dq": dq, "dk": dk}
+
+
+def check_vmem(p: KernelParams, Kp: int, itemsize: int, device_kind: str) -> None:
+    """Raise ValueError, before anything compiles, when a kernel's `vmem_lower_bound` is over
+    the scoped VMEM of `device_kind` (`SCOPED_VMEM`), naming the kernel, both sizes and the
+    fix."""
+    limit = SCOPED_VMEM.get(device_kind, SCOPED_VMEM_DEFAULT)
+    tiles = {"fwd": ("block_q, block_k", p.block_q, p.block_k),
+             "dq": ("block_q_bwd, block_k_bwd", p.block_q_bwd, p.block_k_bwd)}
+    tiles["dk"] = tiles["dq"]
+    for kernel, need in vmem_lower_bound(p, Kp, itemsize).items():
+        if need > limit:
+            names, bq, bk = tiles[kernel]
+            raise ValueError(
+                f"tied attention's {kernel} kernel needs at least {need / MIB:.1f} MiB of VMEM "
+                f"with its tiles (BlockSizes.{names} = {bq}, {bk}; K padded to {Kp}, "
+                f"{itemsize}-byte inputs), over the {limit // MIB} MiB of scoped VMEM that "
+                f"Mosaic gives a kernel on a {device_kind or 'TPU'}: use smaller blocks (the "
+                f"default BlockSizes fit every case of benchmarks/tpu_compile.py)")
+
 
 def _visible(i, j, bq, bk):
     """Query tile i and key tile j share at least one causal (s ≤ t) pair."""

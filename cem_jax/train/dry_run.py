@@ -14,26 +14,28 @@ To size a pod from one machine, give the host as many CPU devices as the pod has
 the per-device argument bytes, are the pod's; temporaries are the CPU compiler's estimate
 (fusion and layouts differ on TPU/GPU).
 
-`--target NAME` (`cem-train --dry-run --target tpu-v5p-32`, `cem_jax.train.targets`) lowers the
-step for a TPU or GPU topology that this host does not have (`TARGETS`; DESIGN.md §6, MaxText's
-`train_compile.py`):
-the mesh is an `AbstractMesh` over the target's chips whose abstract device carries the target's
-platform and device kind, so the Pallas kernels lower for it (Mosaic `tpu_custom_call`s, Triton
-calls on a GPU). It lowers only (no compiler for the target here) and prints the per-device
-bytes of the parameters and the optimizer state (exact: from their shardings), the parameters'
-shardings, the custom calls of the lowered module (and whether each sits in a `shard_map`,
-which XLA needs to partition a kernel), activation memory as an analytic estimate, and the sum
-of these against the chip's memory (its vendor sheet's). A real device still has to compile it
-(Mosaic's own checks, VMEM limits), time it and measure memory.
+`--target NAME` (`cem-train --dry-run --target tpu-v5p-32`, `cem_jax.train.targets`) does it
+for a TPU or GPU topology that this host does not have (`TARGETS`; DESIGN.md §6, MaxText's
+`train_compile.py`). For a TPU, with libtpu installed (the `tpu` extra; `.[dev]` has it), the
+TPU compiler compiles the step for the devices of the target's topology: the memory per chip
+is the compiler's, and decides (a step whose peak is over the chip's HBM is refused), with the
+collectives per chip per step inside a slice and across slices, the Mosaic kernels and their
+scoped VMEM. Without libtpu (or for a GPU, or with `--lower-only`) the step is lowered only,
+for an `AbstractMesh` whose abstract device carries the target's platform and device kind (so
+the Pallas kernels lower for it: Mosaic `tpu_custom_call`s, Triton calls on a GPU), and the
+memory is an estimate: the parameters' and optimizer state's bytes (exact, from their
+shardings) and an analytic activation estimate against the chip's memory (its vendor sheet's).
+Either way it prints the parameters' shardings and the lowered module's custom calls (and
+whether each sits in a `shard_map`, which XLA needs to partition a kernel).
 
-The target table and the lowering are `cem_jax.train.targets`; the sizes and checks both share
+The target table, the lowering and the compile are `cem_jax.train.targets` (what the compiled
+HLO holds: `cem_jax.train.hlo`); the sizes and checks both share
 (`check_expected_params`, which `cem-train` also runs first when a config states
 `expected_params`, and the activation estimate) are `cem_jax.train.sizing`.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,16 +48,23 @@ from cem_jax.sharding import (
     make_mesh,
 )
 from cem_jax.train.metrics import flops_per_token
-from cem_jax.train.sizing import GIB, abstract_step, describe_model
-from cem_jax.train.targets import lower_for_target, parse_target
+from cem_jax.train.sizing import (
+    GIB,
+    abstract_step,
+    compiled_memory,
+    compiler_flops,
+    describe_model,
+)
+from cem_jax.train.targets import parse_target, step_on_target
 from cem_jax.train_config import TrainConfig
 
 
 def dry_run(cfg: TrainConfig, echo: Callable[[str], None] = print,
-            target: str | None = None) -> dict[str, Any]:
+            target: str | None = None, compile: bool = True) -> dict[str, Any]:
     """Compile one train step of `cfg` on its mesh without data or parameters and report
     (through `echo`, process 0 only) what it needs; with `target` (a `parse_target` name),
-    lower it for that topology instead (`lower_for_target`).
+    do it for that topology instead (`step_on_target`: compiled by libtpu for a TPU where it
+    is installed and `compile`, else lowered; its dict).
 
     Returns {"params": counts by part, "mesh": {axis: size}, "devices", "batch_rows",
     "tokens_per_step", "compile_s", "memory": {"arguments", "outputs", "aliased", "temp",
@@ -68,7 +77,7 @@ def dry_run(cfg: TrainConfig, echo: Callable[[str], None] = print,
     check_trainable(cfg.model)
     check_user_kinds(cfg.model)
     if target is not None:
-        return lower_for_target(cfg, parse_target(target), echo)
+        return step_on_target(cfg, parse_target(target), echo, compile=compile)
     if cfg.mesh.distributed:
         jax.distributed.initialize(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
                                    cfg.mesh.process_id)
@@ -87,7 +96,7 @@ def dry_run(cfg: TrainConfig, echo: Callable[[str], None] = print,
     compile_s = time.perf_counter() - start
     say(f"compiled the train step in {compile_s:.1f} s")
 
-    memory = _memory(compiled)
+    memory = compiled_memory(compiled)
     if memory is None:
         say("memory per device: not reported by this backend")
     else:
@@ -96,7 +105,7 @@ def dry_run(cfg: TrainConfig, echo: Callable[[str], None] = print,
                                                        "temp", "code", "total")))
     per_token = flops_per_token(m, T)
     analytic = per_token * B * T
-    xla = _xla_flops(compiled)
+    xla = compiler_flops(compiled)
     say(f"FLOPs per step (analytic, train = 3 x forward): {analytic:.4g} = "
         f"{per_token / 1e9:.4g} GFLOPs/token x {B * T:,} tokens; {analytic / devices:.4g} per "
         f"device")
@@ -113,31 +122,3 @@ def dry_run(cfg: TrainConfig, echo: Callable[[str], None] = print,
             "tokens_per_step": B * T, "compile_s": compile_s, "memory": memory,
             "flops": {"analytic_per_step": analytic, "analytic_per_device": analytic / devices,
                       "xla_per_device": xla}}
-
-
-def _memory(compiled) -> dict[str, int] | None:
-    """Per-device bytes of a compiled executable; total = arguments + outputs - aliased
-    (donated buffers reused for outputs) + temp + code."""
-    try:
-        stats = compiled.memory_analysis()
-    except (NotImplementedError, jax.errors.JaxRuntimeError):
-        return None
-    if stats is None:
-        return None
-    mem = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
-           "aliased": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes,
-           "code": stats.generated_code_size_in_bytes}
-    mem["total"] = mem["arguments"] + mem["outputs"] - mem["aliased"] + mem["temp"] + mem["code"]
-    return {k: int(v) for k, v in mem.items()}
-
-
-def _xla_flops(compiled) -> float | None:
-    """XLA's FLOP count of the (per-device) executable, or None."""
-    try:
-        cost = compiled.cost_analysis()
-    except (NotImplementedError, jax.errors.JaxRuntimeError):
-        return None
-    if isinstance(cost, list | tuple):
-        cost = cost[0] if cost else None
-    flops = (cost or {}).get("flops")
-    return float(flops) if flops is not None and math.isfinite(flops) and flops > 0 else None

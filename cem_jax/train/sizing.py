@@ -137,3 +137,34 @@ def activation_estimate(m: ModelConfig, mesh, rows: int, seq_len: int) -> dict[s
     loss = (2 * local(("batch", "length", "vocab"), (rows, chunk, m.vocab_size)) * 4
             + residual * itemsize + local(("embed", "vocab"), (m.d_model, m.vocab_size)) * 4)
     return {"block_inputs": block_inputs, "loss": loss, "total": block_inputs + loss}
+
+
+def compiled_memory(compiled) -> dict[str, int] | None:
+    """Per-device bytes of a compiled executable (`Compiled.memory_analysis()`): {"arguments",
+    "outputs", "aliased" (donated buffers reused for outputs), "temp", "code", "total" =
+    arguments + outputs - aliased + temp + code, the step's peak}; None when the backend gives
+    no memory analysis. Shared by `--dry-run` on this host's devices and on a `--target`."""
+    try:
+        stats = compiled.memory_analysis()
+    except (NotImplementedError, jax.errors.JaxRuntimeError):
+        return None
+    if stats is None:
+        return None
+    mem = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+           "aliased": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes,
+           "code": stats.generated_code_size_in_bytes}
+    mem["total"] = mem["arguments"] + mem["outputs"] - mem["aliased"] + mem["temp"] + mem["code"]
+    return {k: int(v) for k, v in mem.items()}
+
+
+def compiler_flops(compiled) -> float | None:
+    """XLA's FLOP count of the (per-device) executable (`cost_analysis()`; a loop's body is
+    counted once), or None."""
+    try:
+        cost = compiled.cost_analysis()
+    except (NotImplementedError, jax.errors.JaxRuntimeError):
+        return None
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return float(flops) if flops is not None and math.isfinite(flops) and flops > 0 else None

@@ -70,6 +70,28 @@ def test_config_loads_and_its_stated_count_is_the_models(path):
         check_expected_params(wrong)
 
 
+# The scale ladder's larger rungs (docs/pod_training.md): Llama 3.2 1B's and Llama 3 8B's
+# shapes, tied and the Llama twin: (D, L, H, G, K, F).
+LADDER = {"cem_full_1b": (2048, 16, 32, 8, 64, 8192), "llama_1b": (2048, 16, 32, 8, 64, 8192),
+          "cem_full_8b": (4096, 32, 32, 8, 128, 14336),
+          "llama_8b": (4096, 32, 32, 8, 128, 14336)}
+
+
+@pytest.mark.parametrize("name", LADDER)
+def test_the_ladder_configs_state_their_shapes_and_counts(name):
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    m = cfg.model
+    assert (m.d_model, m.num_layers, m.num_heads, m.kv_heads, m.head_width, m.mlp_dim) == \
+        LADDER[name]
+    assert (m.tie_attention, m.tie_mlp) == ((True, True) if name.startswith("cem") else
+                                           (False, False))
+    counts = abstract_count(m)
+    assert cfg.expected_params == counts["total"]
+    stated = re.search(r"# Parameters: ([\d.]+)M = ", (REPO / "configs" / f"{name}.yaml")
+                       .read_text()).group(1)
+    assert float(stated) == round(counts["total"] / 1e6, 2)
+
+
 def test_the_100m_set_varies_one_thing_at_a_time():
     full = load_config(FULL)
     m = full.model

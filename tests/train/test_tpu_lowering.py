@@ -2,7 +2,8 @@
 for a TPU pod slice and a GPU host (DESIGN.md §6). The kernels lower as the target's custom
 calls (Mosaic `tpu_custom_call`s, Triton calls), each inside a `shard_map`; the parameters are
 sharded as the mesh section says; a target that is unknown or that the mesh does not fit is
-named. Lowered only: Mosaic's final compile, speed and real memory need the chip."""
+named. Lowered only (`compile=False`, `--lower-only`: what a host without libtpu does); the
+compile by libtpu is tests/train/test_tpu_compile.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ SMALL = 12 * 2 * 768 + 768 + 24  # norm scales and the preconditioners' step siz
 def _lower(target: str, overrides: list[str]) -> tuple[dict, list[str]]:
     lines: list[str] = []
     report = dry_run(load_config(FULL, ["model.impl=pallas", *overrides]), echo=lines.append,
-                     target=target)
+                     target=target, compile=False)
     return report, lines
 
 
@@ -127,9 +128,11 @@ def test_the_100m_step_lowers_for_two_v5p_slices(capsys):
     """`--num-slices 2`: two tpu-v5p-32 slices (32 chips), data spanning them (4 = 2 per
     slice), fsdp 8 inside each: the per-device state is one slice's with fsdp 8."""
     assert main(["--config", str(FULL), "--dry-run", "--target", "tpu-v5p-32", "--num-slices",
-                 "2", "mesh.data=-1", "mesh.fsdp=8", "model.impl=pallas"]) == 0
+                 "2", "--lower-only", "mesh.data=-1", "mesh.fsdp=8", "model.impl=pallas"]) == 0
     out = capsys.readouterr().out
-    assert "lowering one train step for 32 x TPU v5 (2 slices of tpu-v5p-32)" in out
+    assert out.startswith("cem-train --dry-run --target tpu-v5p-32: lowering one train step for "
+                          "32 x TPU v5 (2 slices of tpu-v5p-32) from this host (lowered only, "
+                          "not compiled: --lower-only;")
     assert "mesh: data=4 fsdp=8 tensor=1 (32 chips of 2 slices of tpu-v5p-32" in out
     assert "data spans the slices" in out
     param_mib = 4 * ((PARAMS - SMALL) // 8 + SMALL) / 2**20
@@ -161,3 +164,7 @@ def test_target_needs_dry_run(capsys):
         main(["--config", str(FULL), "--dry-run", "--num-slices", "2"])
     assert exit_info.value.code == 2
     assert "--num-slices needs --target" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(FULL), "--dry-run", "--lower-only"])
+    assert exit_info.value.code == 2
+    assert "--lower-only needs --target" in capsys.readouterr().err
