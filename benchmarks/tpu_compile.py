@@ -50,7 +50,8 @@ MIB = 2**20
 RUNGS = [
     ("cem_full_100m", ["tpu-v5p-32"], ["model.impl=pallas"],
      ["model.impl=pallas", "mesh.data=-1", "mesh.fsdp=8"]),
-    ("llama_100m", ["tpu-v5p-32"], [], ["mesh.data=-1", "mesh.fsdp=8"]),
+    ("llama_100m", ["tpu-v5p-32"], ["model.impl=pallas"],
+     ["model.impl=pallas", "mesh.data=-1", "mesh.fsdp=8"]),
     ("cem_full_1b", ["tpu-v5p-8", "tpu-v5p-16", "tpu-v5p-32"], [], ["mesh.data=2"]),
     ("llama_1b", ["tpu-v5p-8", "tpu-v5p-16", "tpu-v5p-32"], [], ["mesh.data=2"]),
     ("cem_full_8b", ["tpu-v5p-8", "tpu-v5p-16", "tpu-v5p-32"], [], ["mesh.data=2"]),

@@ -1,8 +1,8 @@
 """The attention cores under CEM's and Llama's attention mixers (`cem_jax.updates`), and the
 choice among them: `attend` (softmax attention with a flash-style VJP whose value gradient folds
 into the keys when values are keys), the block-causal core on it (XLA), the tied Pallas kernel
-(`cem_jax.kernels`) and cuDNN's flash attention; `attention_impl` picks one for an `impl` and
-the platform traced for."""
+(`cem_jax.kernels`), JAX's splash attention for untied attention on a TPU and cuDNN's flash
+attention; `attention_impl` picks one for an `impl` and the platform traced for."""
 
 from __future__ import annotations
 
@@ -77,11 +77,9 @@ def pallas_attention(q: Array, k: Array, segment_ids: Array | None, spec: Attent
 
     The kernel is built for the platform traced for (`cem_jax.sharding.target_platform`:
     the mesh's device, so lowering for a TPU from a CPU host embeds the Mosaic kernel), and
-    interpreted on CPU. Under a mesh of more than one device it runs in a `jax.shard_map`,
-    since XLA cannot partition a Mosaic (or Triton) call: each device attends over its own
-    rows ("batch" → data×fsdp) and, when the key-head count G divides "tensor", its own heads
-    (query heads follow their key heads, so h // (H/G) stays on the device); an axis that does
-    not divide is left whole (`cem_jax.sharding.logical_to_mesh`), computed on every device.
+    interpreted on CPU. Under a mesh of more than one device it runs per device in a
+    `jax.shard_map` (`_per_device`: rows over data×fsdp, key heads over tensor when they
+    divide it, query heads following their key heads, so h // (H/G) stays on the device).
     """
     # imported on use: Pallas stays off the xla/autodiff paths
     from cem_jax.kernels import tied_attention
@@ -93,29 +91,75 @@ def pallas_attention(q: Array, k: Array, segment_ids: Array | None, spec: Attent
                            segment_ids=segment_ids, scale=spec.beta, interpret=interpret)
         return o.transpose(0, 2, 1, 3)
 
-    args = (q, k) if segment_ids is None else (q, k, segment_ids)
+    return _per_device(attend, (q, k), segment_ids)
+
+
+def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None,
+                     spec: AttentionSpec) -> Array:
+    """Untied causal flash attention on a TPU: JAX's splash attention kernel
+    (`jax.experimental.pallas.ops.tpu.splash_attention`, Pallas/Mosaic; what MaxText runs),
+    the Llama baseline's core there. Heads-major q [B,H,T,K], k and v [B,G,T,K] (GQA: each key
+    head's R = H/G query heads as one multi-query call), int [B,T] segment_ids; returns
+    o [B,H,T,K] in q.dtype. The queries are scaled by β before the kernel (it takes none).
+    Interpreted on CPU (the tests' reference check); under a mesh it runs per device in a
+    `jax.shard_map` as `pallas_attention` does. Raises ValueError (the kernel's) for a T its
+    blocks do not divide."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as masks,
+    )
+
+    interpret = target_platform() == "cpu"
+
+    def attend(q, k, v, segment_ids=None):
+        B, H, T, K = q.shape
+        G = k.shape[1]
+        mask = masks.MultiHeadMask([masks.CausalMask((T, T))] * (H // G))
+        kernel = splash.make_splash_mqa(mask, head_shards=1, q_seq_shards=1,
+                                        interpret=interpret)
+        ids = None if segment_ids is None else splash.SegmentIds(q=segment_ids,
+                                                                 kv=segment_ids)
+        per_group = jax.vmap(kernel, in_axes=(0, 0, 0, None))
+        o = jax.vmap(per_group, in_axes=(0, 0, 0, None if ids is None else 0))(
+            (q * spec.beta).reshape(B, G, H // G, T, K), k, v, ids)
+        return o.reshape(B, H, T, K).astype(q.dtype)
+
+    return _per_device(attend, (q, k, v), segment_ids)
+
+
+def _per_device(attend, heads: tuple[Array, ...], segment_ids: Array | None) -> Array:
+    """`attend(*heads[, segment_ids])` (arrays [B, heads, T, ...]; the key heads' count is
+    heads[1]'s) per device in a `jax.shard_map` under a mesh of more than one device, since
+    XLA cannot partition a Mosaic (or Triton) call: each device attends over its own rows
+    ("batch" → data×fsdp) and, when the key-head count divides "tensor", its own heads (query
+    heads follow their key heads); an axis that does not divide is left whole
+    (`cem_jax.sharding.logical_to_mesh`), computed on every device."""
+    args = heads if segment_ids is None else (*heads, segment_ids)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.size <= 1:
         return attend(*args)
-    rows, heads = logical_to_mesh(("batch", "kv_heads"), k.shape[:2], mesh.shape)
-    q_spec = jax.sharding.PartitionSpec(rows, heads, None, None)
-    specs = (q_spec, q_spec, jax.sharding.PartitionSpec(rows, None))
+    rows, kv = logical_to_mesh(("batch", "kv_heads"), heads[1].shape[:2], mesh.shape)
+    spec = jax.sharding.PartitionSpec(rows, kv, None, None)
+    specs = (*[spec] * len(heads), jax.sharding.PartitionSpec(rows, None))
     # check_vma=False: the kernels' out_shape structs carry no varying-axes annotation
-    return jax.shard_map(attend, mesh=mesh, in_specs=specs[:len(args)], out_specs=q_spec,
+    return jax.shard_map(attend, mesh=mesh, in_specs=specs[:len(args)], out_specs=spec,
                          check_vma=False)(*args)
 
 
 def attention_impl(impl: str, dtype, width: int, *, tied: bool) -> str:
     """The attention core an `impl` runs on the platform traced for
     (`cem_jax.sharding.target_platform`), for heads `width` wide (K, or K + D with DPLR) in
-    compute `dtype`: "xla", "pallas" or "cudnn".
+    compute `dtype`: "xla", "pallas", "splash" or "cudnn".
 
     "auto" is the fastest correct core there: on a GPU cuDNN's flash attention (bf16/fp16 and
     heads ≤ `CUDNN_MAX_HEAD_WIDTH`), else the tied Pallas kernel for tied attention; on a TPU
-    the Pallas kernel for tied attention; else (CPU, untied attention off a GPU) the XLA core.
-    "autodiff" attends with the XLA core where a closed form runs. "pallas" for untied
-    attention is the XLA core (the kernel's values are its keys). Raises ValueError for
-    "cudnn" off a GPU, or in a dtype or head width cuDNN does not take.
+    the tied Pallas kernel for tied attention and JAX's splash attention for untied; else (CPU,
+    untied attention on a GPU in fp32) the XLA core. "autodiff" attends with the XLA core where
+    a closed form runs. "pallas" for untied attention is splash attention on a TPU and the XLA
+    core elsewhere (the tied kernel's values are its keys). Raises ValueError for "cudnn" off
+    a GPU, or in a dtype or head width cuDNN does not take.
     """
     platform = target_platform()
     on_gpu = platform in ("gpu", "cuda", "rocm")
@@ -123,6 +167,8 @@ def attention_impl(impl: str, dtype, width: int, *, tied: bool) -> str:
     if impl == "auto":
         if on_gpu and cudnn_ok:
             return "cudnn"
+        if platform == "tpu":
+            return "pallas" if tied else "splash"
         return "pallas" if tied and platform != "cpu" else "xla"
     if impl == "cudnn" and not (on_gpu and cudnn_ok):
         raise ValueError(f"impl='cudnn' runs cuDNN's flash attention, which needs a GPU (this "
@@ -130,7 +176,7 @@ def attention_impl(impl: str, dtype, width: int, *, tied: bool) -> str:
                          f"and heads at most {CUDNN_MAX_HEAD_WIDTH} wide (here {width}); use "
                          f"impl='auto' to pick the fastest path this platform has")
     if impl == "pallas" and not tied:
-        return "xla"
+        return "splash" if platform == "tpu" else "xla"
     return "xla" if impl == "autodiff" else impl
 
 

@@ -107,7 +107,8 @@ class ModelConfig:
       activation: σ of the MLP, "silu" | "gelu" | "relu" or one added with
         `cem_jax.energies.register_activation` (its antiderivative Φ is the MLP energy's).
       impl: "autodiff" (-jax.grad of the energy), "xla" (closed form), "pallas" (closed
-        form with tied attention in the fused Pallas kernel; interpret mode on CPU, slow),
+        form with tied attention in the fused Pallas kernel, interpret mode on CPU, slow;
+        untied attention on a TPU in JAX's splash attention kernel, elsewhere XLA's),
         "cudnn" (attention in cuDNN's flash attention: a GPU, bfloat16, heads ≤ 256 wide) or
         "auto" (the fastest of these for the platform, `cem_jax.attention.attention_impl`); all
         agree, and a resumed run may change it (`NOT_IN_MATH`).

@@ -20,7 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from cem_jax import kvcache
-from cem_jax.attention import attention_impl, causal_attention, cudnn_attention, pallas_attention
+from cem_jax.attention import (
+    attention_impl,
+    causal_attention,
+    cudnn_attention,
+    pallas_attention,
+    splash_attention,
+)
 from cem_jax.energies import (
     Activation,
     AttentionSpec,
@@ -211,9 +217,9 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
     """Untied Llama attention (the baseline): softmax(β q kᵀ) v Wo with free Wq [D,H,K],
     Wk [D,G,K], Wv [D,G,K], Wo [H,K,D]; queries from y, keys/values from c. No energy.
     params["out_scale"] ([] or [D], `fold_preconditioner`) scales Wo's output: P·u. The core
-    is cuDNN's flash attention with impl "cudnn" (or "auto" on a GPU), else the blocked XLA
-    core (the Pallas kernel is tied-only). A decode `cache` works as in
-    `tied_attention_mixer`."""
+    is cuDNN's flash attention with impl "cudnn" (or "auto" on a GPU), JAX's splash attention
+    with "pallas" or "auto" on a TPU (`splash_attention`), else the blocked XLA core (the tied
+    kernel's values are its keys). A decode `cache` works as in `tied_attention_mixer`."""
     out = (params["out"] * params.get("out_scale", 1.0)).reshape(-1, params["out"].shape[-1])
     prepare = _attention_context(params, spec, positions, segment_ids, cache, values=True,
                                  context=False)
@@ -225,6 +231,9 @@ def llama_attention_mixer(params: dict, spec: AttentionSpec, positions: Array | 
                                                                    tied=False)
         if core == "cudnn":
             o = cudnn_attention(q.reshape(B, spec.num_heads, T, -1), ctx.key, ctx.value,
+                                 segment_ids, spec)
+        elif core == "splash":
+            o = splash_attention(q.reshape(B, spec.num_heads, T, -1), ctx.key, ctx.value,
                                  segment_ids, spec)
         else:
             o = causal_attention(q, ctx.key, ctx.value, ctx.mask, spec, skip=cache is None)

@@ -30,7 +30,7 @@ def _on(platform, impl, dtype, width, tied):
     ("gpu", BF16, 64, True, "cudnn"), ("gpu", BF16, 64, False, "cudnn"),
     ("gpu", BF16, 320, True, "pallas"),  # a DPLR head K + D is wider than cuDNN takes
     ("gpu", F32, 64, True, "pallas"), ("gpu", F32, 64, False, "xla"),
-    ("tpu", BF16, 64, True, "pallas"), ("tpu", BF16, 64, False, "xla"),
+    ("tpu", BF16, 64, True, "pallas"), ("tpu", BF16, 64, False, "splash"),
     ("cpu", BF16, 64, True, "xla"), ("cpu", F32, 64, False, "xla"),
 ])
 def test_auto_is_the_fastest_correct_core_of_the_platform(platform, dtype, width, tied,
@@ -47,11 +47,13 @@ def test_cudnn_where_it_cannot_run_is_a_clear_error(platform, dtype, width, what
         _on(platform, "cudnn", dtype, width, True)
 
 
-def test_explicit_impls_are_kept_and_pallas_is_tied_only():
+def test_explicit_impls_are_kept_and_pallas_untied_is_splash_on_a_tpu():
     assert _on("gpu", "xla", BF16, 64, True) == "xla"
     assert _on("gpu", "cudnn", BF16, 64, False) == "cudnn"
     assert _on("cpu", "pallas", F32, 64, True) == "pallas"
-    assert _on("tpu", "pallas", F32, 64, False) == "xla"
+    assert _on("tpu", "pallas", F32, 64, False) == "splash"
+    assert _on("gpu", "pallas", F32, 64, False) == "xla"
+    assert _on("cpu", "pallas", F32, 64, False) == "xla"
     assert _on("gpu", "autodiff", BF16, 64, True) == "xla"
 
 
@@ -88,6 +90,34 @@ def test_auto_on_this_cpu_is_the_xla_model_bit_for_bit():
         logits = {impl: model_from_params(ModelConfig(**kw, impl=impl), params)(tokens).logits
                   for impl in ("xla", "auto")}
         np.testing.assert_array_equal(logits["auto"], logits["xla"])
+
+
+def test_splash_attention_matches_the_xla_core_interpreted():
+    """The Llama baseline's TPU core, JAX's splash attention (interpreted here), against the
+    blocked XLA core: GQA (4 query heads over 2 key heads) on two packed documents, output and
+    the gradients of q, k and v, fp32."""
+    from cem_jax.attention import causal_attention, splash_attention
+    from cem_jax.energies import AttentionSpec
+
+    B, H, G, T, K = 2, 4, 2, 256, 64
+    spec = AttentionSpec(num_heads=H, num_kv_heads=G, head_dim=K)
+    q, k, v = (jax.random.normal(jax.random.key(i), shape) for i, shape in
+               enumerate([(B, H, T, K), (B, G, T, K), (B, G, T, K)]))
+    seg = jnp.concatenate([jnp.zeros((B, 100), jnp.int32), jnp.ones((B, T - 100), jnp.int32)], 1)
+    visible = jnp.tril(jnp.ones((T, T), bool)) & (seg[:, :, None] == seg[:, None, :])
+
+    def xla(q, k, v):
+        o = causal_attention(q.reshape(B, G, H // G, T, K), k, v, visible[:, None, None], spec)
+        return o.reshape(B, H, T, K)
+
+    def loss(core):
+        return lambda q, k, v: jnp.sum(jnp.sin(core(q, k, v)))
+
+    splash = lambda q, k, v: splash_attention(q, k, v, seg, spec)  # noqa: E731
+    np.testing.assert_allclose(splash(q, k, v), xla(q, k, v), atol=2e-6)
+    for got, want in zip(jax.grad(loss(splash), (0, 1, 2))(q, k, v),
+                         jax.grad(loss(xla), (0, 1, 2))(q, k, v), strict=True):
+        np.testing.assert_allclose(got, want, atol=5e-5)
 
 
 @pytest.mark.device

@@ -69,6 +69,9 @@ class _Module:
                 continue
             if current is not None and (op := _INSTRUCTION.match(line)):
                 current.append(op.groups())
+            elif current and line.strip() != "}":  # an attribute that spans lines
+                name, shape, opcode, rest = current[-1]
+                current[-1] = (name, shape, opcode, rest + "\n" + line)
         if self.entry is None:
             raise ValueError("not an HLO module's text: no ENTRY computation")
 
@@ -135,7 +138,8 @@ def analyze(text: str) -> dict[str, Any]:
                        for c in re.findall(r"%([^\s,{}]+)", group)]
             kind = _KINDS.get(opcode.removesuffix("-start"))
             if kind is not None and not opcode.endswith("-done"):
-                size = _bytes(shape) * (_group_size(rest) if kind == "reduce-scatter" else 1)
+                size = _bytes(_started(opcode, kind, shape)) * (
+                    _group_size(rest) if kind == "reduce-scatter" else 1)
                 ici[kind]["count"] += times
                 ici[kind]["bytes"] += times * size
                 continue  # its to_apply is a scalar reduction, not code that runs
@@ -176,6 +180,17 @@ def analyze(text: str) -> dict[str, Any]:
     visit(module.entry, 1)
     return {"ici": dict(ici), "dcn": dict(dcn), "kernels": dict(kernels),
             "kernel_vmem": dict(vmem), "loops": dict(loops), "unknown_trip_counts": unknown}
+
+
+def _started(opcode: str, kind: str, shape: str) -> str:
+    """The buffer of a collective: an async `-start` of an all-gather or collective-permute
+    has the shape (operands, results, contexts); its results (all-gather) or operands
+    (collective-permute) are the collective's buffer."""
+    if not opcode.endswith("-start") or kind not in ("all-gather", "collective-permute"):
+        return shape
+    arrays = [m.group(0) for m in _ARRAY.finditer(shape) if m.group(2)]  # not the u32[] contexts
+    half = len(arrays) // 2
+    return " ".join(arrays[half:] if kind == "all-gather" else arrays[:half])
 
 
 def _group_size(rest: str) -> int:

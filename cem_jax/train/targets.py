@@ -30,7 +30,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from cem_jax.attention import attention_impl
 from cem_jax.loss import chunk_length
-from cem_jax.memory import DoesNotFit
+from cem_jax.memory import DoesNotFit, is_out_of_memory
 from cem_jax.sharding import make_mesh, mesh_sizes
 from cem_jax.train import hlo
 from cem_jax.train.metrics import flops_per_token
@@ -186,7 +186,7 @@ def step_on_target(cfg: TrainConfig, target: Target, echo: Callable[[str], None]
     Raises ValueError (as `dry_run`; the message names the target when its chip count does not
     fit the mesh section; cuDNN attention, which traces only beside a GPU, off one) and
     `cem_jax.memory.DoesNotFit` (a ValueError) when the compiled step's peak is over the chip's
-    memory, naming the bytes and what to change.
+    memory, or the compiler itself finds it over, naming the bytes and what to change.
     """
     kind, platform, cores = target.device.device_kind, target.device.platform, \
         target.device.num_cores
@@ -258,7 +258,13 @@ def _compile(cfg: TrainConfig, target: Target, lowered, state, params: int, chip
              echo: Callable[[str], None]) -> dict[str, Any]:
     """Compile the lowered step with libtpu and say what the compiler reports."""
     start = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:  # over the chip already in the compiler's eyes
+        if not is_out_of_memory(err):
+            raise
+        raise DoesNotFit(f"--target {target.name}: the TPU compiler refused the train step "
+                         f"({str(err).splitlines()[0]}); try {_knobs(cfg)}") from None
     compile_s = time.perf_counter() - start
     echo(f"compiled the train step in {compile_s:.1f} s")
     memory = compiled_memory(compiled)
@@ -305,19 +311,24 @@ def _refuse_if_over(cfg: TrainConfig, target: Target, memory: dict[str, int]) ->
     """DoesNotFit when the compiled peak is over the chip's memory: the bytes and the knobs."""
     if memory["total"] <= memory["hbm"]:
         return
-    knobs = ["fewer rows per chip (lower data.batch_size, or raise "
-             "optimizer.accumulation_steps)"]
-    if cfg.model.remat != "full":
-        knobs.append("model.remat=full")
-    knobs += [f"more loss chunks (model.loss_chunks, now {cfg.model.loss_chunks})",
-              f"a larger mesh.fsdp (now {cfg.mesh.fsdp})"]
     raise DoesNotFit(
         f"--target {target.name}: the compiled train step needs {memory['total'] / GIB:.2f} "
         f"GiB per chip (arguments {memory['arguments'] / GIB:.2f}, temporaries "
         f"{memory['temp'] / GIB:.2f}, outputs not aliased "
         f"{(memory['outputs'] - memory['aliased']) / GIB:.2f}, code "
         f"{memory['code'] / GIB:.2f}), more than the chip's {target.memory_gb:g} GB; try "
-        + ", ".join(knobs))
+        f"{_knobs(cfg)}")
+
+
+def _knobs(cfg: TrainConfig) -> str:
+    """What lowers a train step's memory per chip, as a config's overrides name it."""
+    knobs = ["fewer rows per chip (lower data.batch_size, or raise "
+             "optimizer.accumulation_steps)"]
+    if cfg.model.remat != "full":
+        knobs.append("model.remat=full")
+    knobs += [f"more loss chunks (model.loss_chunks, now {cfg.model.loss_chunks})",
+              f"a larger mesh.fsdp (now {cfg.mesh.fsdp})"]
+    return ", ".join(knobs)
 
 
 def _gradient_shard_bytes(state) -> int:
@@ -355,7 +366,7 @@ def _report_calls(calls: dict[str, dict[str, Any]], echo: Callable[[str], None])
              + (f" ({len(info['kernels'])} kernels: {kernels}{where})" if kernels else ""))
     if not calls:
         echo("custom calls: none (no Pallas kernel in this step; model.impl=pallas puts the "
-             "tied attention in one)")
+             "attention in one: the tied kernel, or splash attention for Llama's on a TPU)")
 
 
 def _report_memory(cfg: TrainConfig, target: Target, state_bytes: dict[str, int],
@@ -399,14 +410,17 @@ def _shape(shape) -> str:
 
 
 def custom_calls(module) -> dict[str, dict[str, Any]]:
-    """The custom calls of a lowered StableHLO module (`Lowered.compiler_ir("stablehlo")`):
+    """The custom calls of a lowered StableHLO module (`Lowered.compiler_ir("stablehlo")`),
+    from its `main` through the functions it calls (each call site counted):
     {call target: {"calls": count, "kernels": {kernel name: count} (Mosaic's `kernel_name`,
     Triton's backend_config "name"; calls without one are not listed), "outside_shard_map":
-    calls of named kernels not nested in an `sdy.manual_computation` (a `shard_map` body, as
-    JAX lowers it with Shardy: inline, not as a called function)}}."""
+    calls of named kernels not inside an `sdy.manual_computation` (a `shard_map` body, as JAX
+    lowers it with Shardy: inline, its kernels there or in functions it calls)}}."""
     from jax._src.lib.mlir import ir  # the MLIR bindings JAX lowers with (no public path)
 
     found: dict[str, dict[str, Any]] = {}
+    functions = {ir.StringAttr(op.operation.attributes["sym_name"]).value: op.operation
+                 for op in module.body.operations if op.operation.name == "func.func"}
 
     def visit(op, manual: bool):
         for region in op.regions:
@@ -423,9 +437,12 @@ def custom_calls(module) -> dict[str, dict[str, Any]]:
                         if kernel is not None:
                             entry["kernels"][kernel] = entry["kernels"].get(kernel, 0) + 1
                             entry["outside_shard_map"] += not manual
+                    elif child.name == "func.call":
+                        callee = ir.FlatSymbolRefAttr(child.attributes["callee"]).value
+                        visit(functions[callee], manual)
                     visit(child, manual or child.name == "sdy.manual_computation")
 
-    visit(module.operation, False)
+    visit(functions["main"], False)
     return found
 
 

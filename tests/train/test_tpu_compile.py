@@ -1,7 +1,8 @@
 """The TPU compiler on this host (libtpu, `cem_jax.train.targets`; DESIGN.md §6): the tied
-kernel compiled by Mosaic for two generations, the 100M train step compiled for a v5p-32 (one
-slice and two), what `cem_jax.train.hlo` reads off compiled programs whose collectives are
-known, and the refusal of a step over the chip's memory and of kernel tiles over its VMEM.
+kernel compiled by Mosaic for two generations (and the Llama baseline's splash attention), the
+100M train step compiled for a v5p-32 (one slice and two), what `cem_jax.train.hlo` reads off
+compiled programs whose collectives are known, and the refusal of a step over the chip's
+memory and of kernel tiles over its VMEM.
 
 The `tpu_compile` tier (`make test-all`): each 100M compile takes 30-80 s on 2 cores."""
 
@@ -57,6 +58,31 @@ def test_the_tied_kernel_compiles_for_two_generations(target, T, H, G, K, dtype)
     assert found["kernels"] == dict.fromkeys(names, 1)
     for name in names:
         assert 0 < found["kernel_vmem"][name] <= SCOPED_VMEM_DEFAULT, name
+
+
+def test_the_llama_baselines_splash_attention_compiles_for_a_v6e():
+    """The untied (Llama) core on a TPU is JAX's splash attention: its forward, dq and dkv
+    kernels compile through Mosaic under a one-chip mesh (GQA, segment ids, bf16)."""
+    from cem_jax.attention import splash_attention
+    from cem_jax.energies import AttentionSpec
+
+    device = topology_devices(parse_target("tpu-v6e-4"), 1)[0]
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=128)
+    q = jax.ShapeDtypeStruct((2, 8, 2048, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 2048, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 2048), jnp.int32)
+
+    def grads(q, k, v, seg):
+        def loss(q, k, v):
+            return splash_attention(q, k, v, seg, spec).astype(jnp.float32).sum()
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    mesh = Mesh(np.array([device]), ("data",))
+    with jax.default_device(device), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        found = hlo.analyze(jax.jit(grads).trace(q, k, k, seg).lower().compile().as_text())
+    assert found["kernels"] == {"splash_mqa_fwd_segmented_residuals": 1,
+                                "splash_mqa_dq_segmented_no_residuals": 1,
+                                "splash_mqa_dkv_segmented_no_residuals": 1}
 
 
 def test_tiles_over_the_vmem_are_refused_before_compiling():
@@ -158,20 +184,38 @@ def test_the_100m_step_on_two_slices_moves_one_gradient_all_reduce_across(capsys
     assert "all-gather" in ici and "reduce-scatter" in ici  # fsdp: gathered, scattered
 
 
+KNOBS = ("try fewer rows per chip (lower data.batch_size, or raise "
+         "optimizer.accumulation_steps), {remat}more loss chunks (model.loss_chunks, now "
+         "{chunks}), a larger mesh.fsdp (now {fsdp}) (exit status 2)")
+
+
 @pytest.mark.slow
-def test_a_step_over_the_chip_is_refused_in_one_line():
+def test_a_step_the_compiler_finds_too_big_is_refused_in_one_line():
     """Two layers of the 100M model, 128 rows per v5e chip, no remat, the loss in one chunk:
-    the compiled peak is over the chip's 16 GB, refused with status 2 in one line that names
-    the bytes and the knobs."""
+    the TPU compiler itself finds the temporaries over the chip's HBM; refused with status 2
+    in one line that says so and names the knobs."""
     result = run_cli(["--config", str(FULL), "--dry-run", "--target", "tpu-v5litepod-4",
                       "model.num_layers=2", "expected_params=null", "model.remat=none",
                       "model.loss_chunks=1"], timeout=600)
     assert result.returncode == 2, result.stderr
     [line] = result.stderr.strip().splitlines()
-    assert line.startswith("cem-train: error: --target tpu-v5litepod-4: the compiled train "
-                           "step needs ")
-    assert "GiB per chip (arguments " in line
-    assert line.endswith("more than the chip's 16 GB; try fewer rows per chip (lower "
-                         "data.batch_size, or raise optimizer.accumulation_steps), "
-                         "model.remat=full, more loss chunks (model.loss_chunks, now 1), a "
-                         "larger mesh.fsdp (now 1) (exit status 2)")
+    assert line.startswith("cem-train: error: --target tpu-v5litepod-4: the TPU compiler "
+                           "refused the train step (RESOURCE_EXHAUSTED: Ran out of memory on "
+                           "HBM, the total memory required for HLO temporaries (")
+    assert line.endswith(KNOBS.format(remat="model.remat=full, ", chunks=1, fsdp=1))
+
+
+@pytest.mark.slow
+def test_a_step_whose_compiled_peak_is_over_the_chip_is_refused_in_one_line():
+    """The ~8B tied model on a v5p-8 (4 chips, fsdp 4): it compiles, but its peak (the
+    train state's 12.8 GiB of arguments per chip and the temporaries) is over a v5p's 95 GB:
+    refused with status 2 in one line naming the bytes (it fits a v5p-16)."""
+    result = run_cli(["--config", str(REPO / "configs" / "cem_full_8b.yaml"), "--dry-run",
+                      "--target", "tpu-v5p-8"], timeout=900)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("cem-train: error: --target tpu-v5p-8: the compiled train step needs ")
+    peak = float(line.split(" needs ")[1].split(" GiB")[0])
+    assert peak * 2**30 > 95e9
+    assert line.endswith("more than the chip's 95 GB; " + KNOBS.format(remat="", chunks=4,
+                                                                       fsdp=-1))
