@@ -28,10 +28,10 @@ shardings) and an analytic activation estimate against the chip's memory (its ve
 Either way it prints the parameters' shardings and the lowered module's custom calls (and
 whether each sits in a `shard_map`, which XLA needs to partition a kernel).
 
-The target table, the lowering and the compile are `cem_jax.train.targets` (what the compiled
-HLO holds: `cem_jax.train.hlo`); the sizes and checks both share
+The target table, the lowering and the compile are `cem_jax.train.targets` (what the lowered
+and the compiled programs hold: `cem_jax.train.hlo`); the sizes and checks both share
 (`check_expected_params`, which `cem-train` also runs first when a config states
-`expected_params`, and the activation estimate) are `cem_jax.train.sizing`.
+`expected_params`, the activation estimate, the compiled memory) are `cem_jax.train.sizing`.
 """
 
 from __future__ import annotations

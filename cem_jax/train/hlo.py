@@ -1,6 +1,8 @@
-"""What a compiled step does, read off the target compiler's HLO (`Compiled.as_text()`): its
-collectives per chip per step, inside a slice (ICI) and across slices (DCN), and the Mosaic
-kernels it runs with the scoped VMEM each was given.
+"""What a step's program holds. Lowered (`custom_calls`): the custom calls of its StableHLO
+module, the Pallas kernels among them and whether each sits in a `shard_map`. Compiled
+(`analyze`), read off the target compiler's HLO (`Compiled.as_text()`): its collectives per
+chip per step, inside a slice (ICI) and across slices (DCN), and the Mosaic kernels it runs
+with the scoped VMEM each was given.
 
 The text is XLA's optimized module for one chip (for a multislice topology: one slice's
 program). It is parsed, not executed:
@@ -13,9 +15,8 @@ program). It is parsed, not executed:
 - A collective's bytes are its buffer's, per chip: an all-reduce's (or reduce-scatter's) input,
   an all-gather's output, an all-to-all's or collective-permute's operand: the whole buffer
   that the group reduces or gathers, of which the wire carries about (n-1)/n (x2 for an
-  all-reduce) on a ring of n chips. Tile padding
-  (a `T(8,128)` layout) is not counted, except where the compiler itself reshaped a buffer to
-  its tiles before sending it.
+  all-reduce) on a ring of n chips. Tile padding (a `T(8,128)` layout) is not counted, except
+  where the compiler itself reshaped a buffer to its tiles before sending it.
 - ICI: XLA's collective instructions (`all-reduce`, `all-gather`, `reduce-scatter`,
   `all-to-all`, `collective-permute`, their `-start` halves; the TPU compiler's
   `all-reduce-scatter` fusion is one reduce-scatter). DCN: the `send`s that the compiler hands
@@ -39,9 +40,9 @@ _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2":
 _ARRAY = re.compile(r"\b(" + "|".join(_BITS) + r")\[([0-9,]*)\]")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)="
                     r"(\{[^}]*\}|%[^\s,]+)")
-_KINDS = {"all-reduce": "all-reduce", "all-gather": "all-gather",
-          "reduce-scatter": "reduce-scatter", "all-to-all": "all-to-all",
-          "collective-permute": "collective-permute"}
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# Instructions whose called computation is a scalar function they apply, not code that runs.
+_APPLIES = ("reduce", "reduce-window", "scatter", "select-and-scatter", "sort", "map")
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 _KERNEL = re.compile(r'op_name="[^"]*?([A-Za-z0-9_]+)\)*/pallas_call')
 _VMEM = re.compile(r'"used_scoped_memory_configs":\[(.*?)\]')
@@ -122,7 +123,6 @@ def analyze(text: str) -> dict[str, Any]:
     Raises ValueError for text that is not an HLO module.
     """
     module = _Module(text)
-    runs: dict[str, int] = defaultdict(int)
     unknown = 0
     loops: dict[int, int] = defaultdict(int)
     ici: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
@@ -132,12 +132,11 @@ def analyze(text: str) -> dict[str, Any]:
 
     def visit(computation: str, times: int) -> None:
         nonlocal unknown
-        runs[computation] += times
         for _name, shape, opcode, rest in module.computations.get(computation, []):
             callees = [c for group in _CALLS.findall(rest)
                        for c in re.findall(r"%([^\s,{}]+)", group)]
-            kind = _KINDS.get(opcode.removesuffix("-start"))
-            if kind is not None and not opcode.endswith("-done"):
+            kind = opcode.removesuffix("-start")
+            if kind in _COLLECTIVES:
                 size = _bytes(_started(opcode, kind, shape)) * (
                     _group_size(rest) if kind == "reduce-scatter" else 1)
                 ici[kind]["count"] += times
@@ -172,9 +171,8 @@ def analyze(text: str) -> dict[str, Any]:
                 loops[trips] += 1
                 visit(body, times * trips)
                 continue
-            for callee in callees:
-                if opcode not in ("reduce", "reduce-window", "scatter", "select-and-scatter",
-                                  "sort", "map", "all-reduce"):
+            if opcode not in _APPLIES:
+                for callee in callees:
                     visit(callee, times)
 
     visit(module.entry, 1)
@@ -204,3 +202,49 @@ def _group_size(rest: str) -> int:
         sizes = dict(re.findall(r"'(\w+)'=(\d+)", named[1]))
         return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", named[2]))
     raise ValueError(f"cannot read the replica groups of: {rest[:200]}")
+
+
+def custom_calls(module) -> dict[str, dict[str, Any]]:
+    """The custom calls of a lowered StableHLO module (`Lowered.compiler_ir("stablehlo")`),
+    from its `main` through the functions it calls (each call site counted):
+    {call target: {"calls": count, "kernels": {kernel name: count} (Mosaic's `kernel_name`,
+    Triton's backend_config "name"; calls without one are not listed), "outside_shard_map":
+    calls of named kernels not inside an `sdy.manual_computation` (a `shard_map` body, as JAX
+    lowers it with Shardy: inline, its kernels there or in functions it calls)}}."""
+    from jax._src.lib.mlir import ir  # the MLIR bindings JAX lowers with (no public path)
+
+    found: dict[str, dict[str, Any]] = {}
+    functions = {ir.StringAttr(op.operation.attributes["sym_name"]).value: op.operation
+                 for op in module.body.operations if op.operation.name == "func.func"}
+
+    def visit(op, manual: bool):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    child = child.operation
+                    if child.name == "stablehlo.custom_call":
+                        attrs = child.attributes
+                        entry = found.setdefault(ir.StringAttr(attrs["call_target_name"]).value,
+                                                 {"calls": 0, "kernels": {},
+                                                  "outside_shard_map": 0})
+                        entry["calls"] += 1
+                        kernel = _kernel_name(attrs, ir)
+                        if kernel is not None:
+                            entry["kernels"][kernel] = entry["kernels"].get(kernel, 0) + 1
+                            entry["outside_shard_map"] += not manual
+                    elif child.name == "func.call":
+                        callee = ir.FlatSymbolRefAttr(child.attributes["callee"]).value
+                        visit(functions[callee], manual)
+                    visit(child, manual or child.name == "sdy.manual_computation")
+
+    visit(functions["main"], False)
+    return found
+
+
+def _kernel_name(attrs, ir) -> str | None:
+    if "kernel_name" in attrs:  # Mosaic TPU
+        return ir.StringAttr(attrs["kernel_name"]).value
+    config = attrs["mhlo.backend_config"] if "mhlo.backend_config" in attrs else None
+    if isinstance(config, ir.DictAttr) and "name" in config:  # Triton: the kernel's "name"
+        return ir.StringAttr(config["name"]).value
+    return None

@@ -173,8 +173,8 @@ def step_on_target(cfg: TrainConfig, target: Target, echo: Callable[[str], None]
     Returns {"target", "compiler" ("libtpu X", or None: lowered only), "params": counts by
     part, "mesh": {axis: size}, "devices", "slices", "batch_rows", "tokens_per_step",
     "lower_s", "bytes_per_device": {"params", "opt_state"} (exact, from the shardings),
-    "shardings": {parameter path (layers as *): PartitionSpec}, "custom_calls":
-    `custom_calls` of the lowered module, "activations_estimate": bytes per device
+    "shardings": {parameter path (layers as *): PartitionSpec}, "custom_calls": the lowered
+    module's (`cem_jax.train.hlo.custom_calls`), "activations_estimate": bytes per device
     (`activation_estimate`, analytic), "memory_share_estimate": parameters, gradients,
     optimizer state and activations over the chip's memory}; compiled, also "compile_s",
     "memory": `compiled_memory` with "hbm" (the chip's bytes) and "share" (the peak's part of
@@ -236,7 +236,7 @@ def step_on_target(cfg: TrainConfig, target: Target, echo: Callable[[str], None]
     echo(f"lowered the train step for {LOWERING_PLATFORM[platform]} in {lower_s:.1f} s")
 
     state_bytes, shardings = _report_state(state, echo)
-    calls = custom_calls(lowered.compiler_ir("stablehlo"))
+    calls = hlo.custom_calls(lowered.compiler_ir("stablehlo"))
     _report_calls(calls, echo)
     act = activation_estimate(cfg.model, mesh, check_batch_split(cfg, mesh), cfg.data.seq_len)
     report = {"target": target, "compiler": compiler, "params": counts,
@@ -355,7 +355,7 @@ def _report_state(state, echo: Callable[[str], None]) -> tuple[dict[str, int], d
 
 
 def _report_calls(calls: dict[str, dict[str, Any]], echo: Callable[[str], None]) -> None:
-    """Say the lowered module's custom calls (`custom_calls`) and where their kernels sit."""
+    """Say the lowered module's custom calls (`hlo.custom_calls`) and where their kernels sit."""
     for call_target, info in sorted(calls.items()):
         kernels = ", ".join(f"{k} x{n}" for k, n in sorted(info["kernels"].items()))
         where = "" if not info["kernels"] else (
@@ -407,49 +407,3 @@ def _bytes_per_device(tree) -> int:
 
 def _shape(shape) -> str:
     return "[" + ",".join(map(str, shape)) + "]"
-
-
-def custom_calls(module) -> dict[str, dict[str, Any]]:
-    """The custom calls of a lowered StableHLO module (`Lowered.compiler_ir("stablehlo")`),
-    from its `main` through the functions it calls (each call site counted):
-    {call target: {"calls": count, "kernels": {kernel name: count} (Mosaic's `kernel_name`,
-    Triton's backend_config "name"; calls without one are not listed), "outside_shard_map":
-    calls of named kernels not inside an `sdy.manual_computation` (a `shard_map` body, as JAX
-    lowers it with Shardy: inline, its kernels there or in functions it calls)}}."""
-    from jax._src.lib.mlir import ir  # the MLIR bindings JAX lowers with (no public path)
-
-    found: dict[str, dict[str, Any]] = {}
-    functions = {ir.StringAttr(op.operation.attributes["sym_name"]).value: op.operation
-                 for op in module.body.operations if op.operation.name == "func.func"}
-
-    def visit(op, manual: bool):
-        for region in op.regions:
-            for block in region.blocks:
-                for child in block.operations:
-                    child = child.operation
-                    if child.name == "stablehlo.custom_call":
-                        attrs = child.attributes
-                        entry = found.setdefault(ir.StringAttr(attrs["call_target_name"]).value,
-                                                 {"calls": 0, "kernels": {},
-                                                  "outside_shard_map": 0})
-                        entry["calls"] += 1
-                        kernel = _kernel_name(attrs, ir)
-                        if kernel is not None:
-                            entry["kernels"][kernel] = entry["kernels"].get(kernel, 0) + 1
-                            entry["outside_shard_map"] += not manual
-                    elif child.name == "func.call":
-                        callee = ir.FlatSymbolRefAttr(child.attributes["callee"]).value
-                        visit(functions[callee], manual)
-                    visit(child, manual or child.name == "sdy.manual_computation")
-
-    visit(functions["main"], False)
-    return found
-
-
-def _kernel_name(attrs, ir) -> str | None:
-    if "kernel_name" in attrs:  # Mosaic TPU
-        return ir.StringAttr(attrs["kernel_name"]).value
-    config = attrs["mhlo.backend_config"] if "mhlo.backend_config" in attrs else None
-    if isinstance(config, ir.DictAttr) and "name" in config:  # Triton: the kernel's "name"
-        return ir.StringAttr(config["name"]).value
-    return None
