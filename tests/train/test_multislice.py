@@ -24,8 +24,11 @@ def test_two_slices_train_as_one_and_only_gradient_reductions_cross_them():
     assert report["slices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # contiguous runs of host devices
     assert report["data rows"] == report["slices"]  # each slice one block of the data axis
     assert report["vs one slice"] == {"loss": 0.0, "params": 0.0}  # the same program
-    # float32 sums in another order, then 3 Adam steps of lr 1e-2 (weights of order 0.02-1)
-    assert report["vs one device"]["loss"] <= 1e-5 and report["vs one device"]["params"] <= 1e-4
+    # float32 sums in another order, then 3 Adam steps of lr 1e-2 (weights of order 0.02-1):
+    # Adam moves a weight whose gradient is near 0 by up to lr a step whatever its size, so a
+    # rounding difference there shows up to ~1% of lr (1.1e-4 on 2026-12-07's machine with
+    # jax 0.10.2 and optax 0.2.8, at this file's commit 4e37858 too, which had stayed under 1e-4)
+    assert report["vs one device"]["loss"] <= 1e-5 and report["vs one device"]["params"] <= 3e-4
     crossing = report["crossing"]
     assert crossing and {op for op, _ in crossing} == {"all-reduce"}, crossing
     assert report["gathers inside a slice"] > 0  # FSDP's all-gathers of the parameters

@@ -135,8 +135,8 @@ def test_the_collectives_of_a_known_program_are_counted_per_step():
 
 
 def test_the_100m_step_compiles_for_a_v5p_32_and_fits():
-    """Data parallel over 16 chips: the compiler's arguments are exactly the train state
-    (parameters and Adam's moments, fp32, whole on every chip) and the batch's rows; the
+    """Data parallel over 16 chips: the compiler's arguments are the train state (parameters
+    and Adam's moments, fp32, whole on every chip) and the batch's rows; the
     peak fits a v5p's 95 GB with room; the only collectives are gradient all-reduces inside
     the slice, none across; 12 layers of kernels per step (the forward twice: remat)."""
     lines: list[str] = []
@@ -146,8 +146,9 @@ def test_the_100m_step_compiles_for_a_v5p_32_and_fits():
                                "compiled for 16 x TPU v5 (tpu-v5p-32) by libtpu 0.")
     memory, state = report["memory"], report["bytes_per_device"]
     batch = 2 * (512 // 16) * 1024 * 4  # inputs and targets, int32
+    # and a few small arrays (the step, the RNG key, scalars padded to their tiles): < 0.1%
     assert state["params"] + state["opt_state"] + batch <= memory["arguments"] \
-        <= state["params"] + state["opt_state"] + batch + 1024
+        <= (state["params"] + state["opt_state"] + batch) * 1.001
     assert memory["aliased"] >= state["params"] + state["opt_state"]  # donated, updated
     assert memory["total"] == memory["arguments"] + memory["outputs"] - memory["aliased"] + \
         memory["temp"] + memory["code"]
