@@ -277,11 +277,11 @@ def cache_dataset_root(cfg: DataConfig, source: Source, tokenizer: Tokenizer,
 def _tokenize_once(source: Source, tokenizer: Tokenizer, root: str, fraction: float,
                    check: Callable[[], None] | None) -> None:
     """Make sure the dataset `root` exists: tokenized here (one process), or by every process
-    of a multi-process run, each its share of the units (the last to finish writes the
-    manifest; process 0 then does what any process left). The processes first agree that
-    they tokenize the same source with the same tokenizer (a mismatch names the processes)
-    and that they share `root` (checked by a probe file); a failure in one is raised in all
-    (`_together`)."""
+    of a multi-process run, each its share of the units, then process 0 alone writes the
+    manifest (so a corpus without text is process 0's error, told to the others). The
+    processes first agree that they tokenize the same source with the same tokenizer (a
+    mismatch names the processes) and that they share `root` (checked by a probe file); a
+    failure in one is raised in all (`_together`)."""
     done = files.is_file(files.join(root, shards.MANIFEST))
     if jax.process_count() == 1:
         if not done:
@@ -297,9 +297,10 @@ def _tokenize_once(source: Source, tokenizer: Tokenizer, root: str, fraction: fl
     distributed.check_shared(root, key)
     index, count = jax.process_index(), jax.process_count()
     _together(f"{key}/units", lambda: tokenize_dataset(
-        source, tokenizer, root, held_out_fraction=fraction, part=(index, count), check=check))
+        source, tokenizer, root, held_out_fraction=fraction, part=(index, count), check=check,
+        write_manifest=False))
 
-    def join() -> None:  # every unit is finished: the manifest, or what a process left
+    def join() -> None:  # every unit is finished: the manifest
         if index == 0:
             tokenize_dataset(source, tokenizer, root, held_out_fraction=fraction)
 

@@ -49,10 +49,12 @@ def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
                      held_out_fraction: float = 0.0, workers: int | None = None,
                      threads: int | None = None, part: tuple[int, int] = (0, 1),
                      progress: Callable[[int, int], None] | None = None,
-                     check: Callable[[], None] | None = None) -> Manifest | None:
+                     check: Callable[[], None] | None = None,
+                     write_manifest: bool = True) -> Manifest | None:
     """Tokenize the units of `source` that are this `part`'s and not finished yet into the
     dataset folder `root`; returns its manifest once every unit is finished (None while other
-    parts are not). A finished dataset is returned as it is.
+    parts are not, or when `write_manifest` is False: the caller writes it later). A
+    finished dataset is returned as it is.
 
     workers: processes (default: one per core, at most one per unit); threads: tokenizer
     threads of a single worker (default: every core; a tokenizer.json takes 1, one text at a
@@ -99,7 +101,7 @@ def tokenize_dataset(source: Source, tokenizer: Tokenizer, root: str, *,
     else:
         _in_processes(job, todo, workers, finished, check)
     records = [shards.read_unit_record(root, u.index, identity) for u in units]
-    if any(r is None for r in records):
+    if not write_manifest or any(r is None for r in records):
         return None
     return _write_manifest(root, source, tokenizer, held_out_fraction, identity, records)
 

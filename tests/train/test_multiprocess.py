@@ -145,7 +145,7 @@ def test_processes_that_see_other_data_or_no_shared_cache_stop_before_any_work(t
                              returncodes=(2, 2))
     assert "processes [1] do not see the cache folder" in outputs[0]
     assert "Run `cem-data tokenize --out DIR` once" in outputs[0]
-    (tmp_path / "empty.txt").write_text("")  # process 0's unit fails; process 1 had none
+    (tmp_path / "empty.txt").write_text("")  # no text: process 0, writing the manifest, says so
     outputs = _two_processes([*common, f"data.corpus={tmp_path / 'empty.txt'}"],
                              returncodes=(2, 2))
     assert "holds no text" in outputs[0], outputs[0]
