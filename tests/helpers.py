@@ -30,10 +30,10 @@ def rotation_matrix(pos, K, theta=10000.0):
 
 
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """Parameters of the model's shapes (numpy fp32): weights normal(0, 0.3), norm scales
-    1 + normal(0, 0.1), preconditioner ρ softplus⁻¹(1) + normal(0, 0.3), DPLR diagonals
-    normal(0, 0.3): far from the 0 / identity starts, with logits of order 1. (Made from the
-    abstract model: creating a model eagerly takes seconds.)"""
+    """Parameters of the model's shapes (numpy, in `cfg.param_dtype`): weights normal(0, 0.3),
+    norm scales 1 + normal(0, 0.1), preconditioner ρ softplus⁻¹(1) + normal(0, 0.3), DPLR
+    diagonals normal(0, 0.3): far from the 0 / identity starts, with logits of order 1. (Made
+    from the abstract model: creating a model eagerly takes seconds.)"""
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
         lambda: CEMTransformer(cfg, rngs=nnx.Rngs(0)))))
     rng = np.random.default_rng(seed)
@@ -42,8 +42,8 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
         noise = rng.normal(size=a.shape).astype(np.float32)
         name = path[-1].key
         if name == "scale":
-            return 1 + 0.1 * noise
-        return (math.log(math.e - 1) if name == "rho" else 0.0) + 0.3 * noise
+            return (1 + 0.1 * noise).astype(a.dtype)
+        return ((math.log(math.e - 1) if name == "rho" else 0.0) + 0.3 * noise).astype(a.dtype)
 
     return jax.tree_util.tree_map_with_path(draw, abstract)
 

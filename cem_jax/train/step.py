@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from cem_jax.config import ModelConfig
 from cem_jax.forward import batch_cross_entropy, make_eval_step
 from cem_jax.model import CEMTransformer, abstract_params
-from cem_jax.optim import learning_rate, make_optimizer
+from cem_jax.optim import check_trainable, learning_rate, make_optimizer
 from cem_jax.sharding import batch_sharding, param_shardings, replicated
 from cem_jax.train_config import BATCH_AXES, OptimizerConfig
 
@@ -45,11 +45,13 @@ class Trainer:
     """Compiled, sharded train and eval steps of one model and optimizer on one mesh.
 
     Attributes: optimizer (optax), learning_rate (its schedule), state_shardings (pytree of
-    `NamedSharding` like the train state), mesh.
+    `NamedSharding` like the train state), mesh. Raises ValueError for a `model.param_dtype`
+    the optimizer cannot train (bfloat16: `cem_jax.optim.check_trainable`).
     """
 
     def __init__(self, model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int,
                  mesh: jax.sharding.Mesh):
+        check_trainable(model_cfg)
         self.model_cfg, self.mesh = model_cfg, mesh
         self.accumulation = opt_cfg.accumulation_steps
         self.optimizer = make_optimizer(opt_cfg, total_steps)

@@ -293,3 +293,41 @@ def test_cem_eval_on_the_builtin_splits(tmp_path, corpus):
     assert result["loss"] > math.log(2048) - 0.5  # random parameters: about uniform or worse
     assert result["bits_per_byte"] == pytest.approx(
         result["loss"] * stats.tokens / stats.bytes / math.log(2))
+
+
+def test_a_run_stored_in_bfloat16_samples_evaluates_and_exports_but_does_not_train(
+        make_run, tmp_path, capsys):
+    """bfloat16 storage is refused where training starts (`cem_jax.optim.check_trainable`),
+    not where a run is read: a run stored in bfloat16 (written by `write_run`, e.g. a
+    bfloat16 import) samples, evaluates and exports as its float32 twin does, in bfloat16;
+    cem-train refuses to resume it in one line and leaves it as it was."""
+    from cem_jax.cli import train as cli_train
+
+    run_dir, cfg, params = make_run(param_dtype="bfloat16", dtype="bfloat16")
+    run = load_run(run_dir)
+    assert {leaf.dtype for leaf in jax.tree.leaves(run.params)} == {jnp.dtype("bfloat16")}
+    tok = run.tokenizer
+    assert cli_sample.main(["--run", str(run_dir), "--temperature", "0",
+                            "--max-new-tokens", "5", "--prompt", "The king"]) == 0
+    out = generate(params, cfg.model, [[tok.eos_id] + tok.encode("The king")],
+                   SamplingConfig(max_new_tokens=5, temperature=0.0, eos_id=tok.eos_id))
+    printed = capsys.readouterr().out.split("-" * 40 + "\n")[0]
+    assert printed == "The king" + tok.decode(out.tokens[0][:out.lengths[0]]) + "\n"
+    (tmp_path / "doc.txt").write_text("The king doth speak.\nThou art a fool.\n")
+    assert cli_evaluate.main(["--run", str(run_dir), "--text", str(tmp_path / "doc.txt"),
+                              "--no-progress"]) == 0
+    loss = float(capsys.readouterr().out.split("loss ")[1].split()[0])
+    assert 0 < loss < 2 * math.log(cfg.model.vocab_size)
+    assert cli.main(["--run", str(run_dir), "--format", "safetensors", "--out",
+                     str(tmp_path / "st")]) == 0
+    loaded_cfg, loaded, _ = load_safetensors(tmp_path / "st")
+    assert loaded_cfg == cfg.model
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) and a.dtype == b.dtype
+               for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(run.params),
+                               strict=True))
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    capsys.readouterr()
+    assert cli_train.main(["--config", str(run_dir / "config.yaml"), "run.steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.param_dtype = bfloat16 stores the weights" in err, err
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before

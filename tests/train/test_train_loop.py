@@ -387,8 +387,9 @@ def test_bfloat16_weights_are_refused_and_bfloat16_compute_moves_every_norm_scal
         tiny_overrides, tmp_path, capsys):
     """bfloat16 storage has no float32 master copy, so small updates round away (20 steps at
     lr 6e-4 moved 0 of 320 norm-scale entries): cem-train and its dry run refuse it in one
-    line before anything is written, pointing to bfloat16 compute, under which the same 20
-    steps move every norm scale and every preconditioner step size."""
+    line before anything is written, and so does the library's `Trainer` (a notebook's way
+    in), with the same words; pointing to bfloat16 compute, under which the same 20 steps
+    move every norm scale and every preconditioner step size."""
     refused = tmp_path / "bf16"
     for extra in ([], ["--dry-run"]):
         assert main([*extra, *tiny_overrides, f"run.dir={refused}",
@@ -396,6 +397,11 @@ def test_bfloat16_weights_are_refused_and_bfloat16_compute_moves_every_norm_scal
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "set model.dtype: bfloat16 to compute in" in err, err
     assert not refused.exists()
+    stored = ModelConfig(vocab_size=64, d_model=16, num_layers=1, num_heads=2, mlp_dim=32,
+                         param_dtype="bfloat16", dtype="bfloat16")
+    with pytest.raises(ValueError) as raised:
+        Trainer(stored, OptimizerConfig(lr=6e-4, warmup_steps=0), 20, make_mesh(MeshConfig()))
+    assert f"cem-train: error: {raised.value} (exit status 2)\n" == err
     cfg = load_config(None, [*tiny_overrides, f"run.dir={tmp_path / 'run'}", "run.steps=20",
                              "optimizer.lr=6e-4", "optimizer.warmup_steps=0",
                              "model.dtype=bfloat16", "model.preconditioner=diag",
