@@ -49,7 +49,7 @@ install: $(DEV_STAMP)
 # Fetches the corpus on first use, trains, then prints validation perplexity, bits per byte and
 # a sample. Overrides: make train ARGS="run.steps=20 optimizer.lr=3e-3".
 train: $(RUNTIME_STAMP)
-	$(PYTHON) -m cem_jax.train --config $(TRAIN_CONFIG) $(ARGS)
+	$(ENV_DIR)/bin/cem-train --config $(TRAIN_CONFIG) $(ARGS)
 
 test: $(DEV_STAMP)
 	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow and not service and not tpu_compile" $(PYTEST_ARGS)

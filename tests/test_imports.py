@@ -21,6 +21,20 @@ def test_the_import_contracts_hold():
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Contracts: 3 kept, 0 broken." in result.stdout
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert [c.get("ignore_imports") for c in contracts["contracts"]] == [None] * 3  # no way up
+
+
+def test_the_module_form_of_cem_train_runs_the_command():
+    """`python -m cem_jax.cli.train` is cem-train (the library has no `python -m` shim that
+    imports the commands from below them)."""
+    result = subprocess.run([sys.executable, "-m", "cem_jax.cli.train", "--config",
+                             "nothere.yaml"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == ("cem-train: configuration error: config file 'nothere.yaml' does "
+                             "not exist (exit status 2)\n")
+    assert not (REPO / "cem_jax" / "train" / "__main__.py").exists()
 
 
 @pytest.mark.parametrize("module", ["cem_jax.config", "cem_jax.data.config",

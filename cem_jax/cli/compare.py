@@ -27,7 +27,7 @@ the curves) and its learned preconditioner; for `--recursion-configs`, validatio
 and the energy after each step with every sub-layer run for N = `--recursion-steps` steps
 (test-time recursion: the steps share their weights). These use the runs of the first budget.
 
-Each run trains in its own `python -m cem_jax.train` process, in
+Each run trains in its own `python -m cem_jax.cli.train` process, in
 RUNS_DIR/<config stem>/steps<N>_seed<s> (its output in train.log there): a crash or a NaN in one
 run is a row marked failed, not the end of the comparison, and every run starts from a fresh JAX
 runtime, so one run's memory or compile cache does not shape the next one's speed. SIGINT or

@@ -1,7 +1,7 @@
 """`cem-train`: train a CEM (or Llama) language model on a device mesh, resumably.
 
     cem-train --config configs/shakespeare_cem.yaml run.steps=200 optimizer.lr=3e-3
-    python -m cem_jax.train --config configs/shakespeare_llama.yaml run.dir=runs/llama
+    python -m cem_jax.cli.train --config configs/shakespeare_llama.yaml run.dir=runs/llama
     cem-train --config configs/cem_full_100m.yaml --dry-run   # compile only: memory, FLOPs
     cem-train --config configs/cem_full_100m.yaml --dry-run --target tpu-v5p-32   # libtpu compiles
 
@@ -27,6 +27,7 @@ import argparse
 import errno
 import os
 import posixpath
+import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -157,3 +158,7 @@ def check_config_location(config: str | None, overrides: Sequence[str],
                          f"run.dir {cfg.run.dir} (was the run moved or copied?): add "
                          f"run.dir={home} to train the run in {home}, or run.dir={cfg.run.dir} "
                          f"to train the one there")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,9 @@
 """The runs of a comparison (and of the study): each config trained for its steps with one seed
-(`RunSpec`) in its own `python -m cem_jax.train` process, in RUNS_DIR/<config stem>/steps<N>_seed<s>
-(its output in train.log there), reused when finished and resumed when not (`train_one`), the
-runs in order until a signal stops one (`train_all`); a signal that cem-compare receives
-meanwhile is passed on to the run in training (`train_process`); and what its metrics say
-(`read_metrics`).
+(`RunSpec`) in its own `python -m cem_jax.cli.train` process, in
+RUNS_DIR/<config stem>/steps<N>_seed<s> (its output in train.log there), reused when finished
+and resumed when not (`train_one`), the runs in order until a signal stops one (`train_all`);
+a signal that cem-compare receives meanwhile is passed on to the run in training
+(`train_process`); and what its metrics say (`read_metrics`).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _train_logged(argv: list[str], log_path: str) -> int:
 
 
 def train_process(argv: list[str], log) -> int:
-    """Run `python -m cem_jax.train ARGV` with its output in the file `log`; returns its exit
+    """Run `python -m cem_jax.cli.train ARGV` with its output in the file `log`; returns its exit
     status (`cem_jax.exits.ExitStatus`, or -N for a kill by signal N). It runs in its own
     session, and a SIGINT or SIGTERM that cem-compare receives meanwhile is passed on to it (a
     Ctrl-C in the terminal reaches it once: it stops at a safe point and saves). It imports
@@ -128,7 +128,7 @@ def train_process(argv: list[str], log) -> int:
     root = str(Path(cem_jax.__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    child = subprocess.Popen([sys.executable, "-P", "-m", "cem_jax.train", *argv], env=env,
+    child = subprocess.Popen([sys.executable, "-P", "-m", "cem_jax.cli.train", *argv], env=env,
                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     with exits.forwarding(child.pid):
         return child.wait()

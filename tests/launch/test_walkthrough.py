@@ -68,7 +68,7 @@ def workers(overrides: list[str], run_dir: str,
     `env` added to the environment."""
     port = portpicker.pick_unused_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "cem_jax.train", "--config", "configs/cem_full_100m.yaml",
+        [sys.executable, "-m", "cem_jax.cli.train", "--config", "configs/cem_full_100m.yaml",
          f"run.dir={run_dir}", "mesh.distributed=true", *overrides, *TINY,
          f"mesh.coordinator_address=localhost:{port}", "mesh.num_processes=2",
          f"mesh.process_id={i}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -120,7 +120,7 @@ def test_a_storage_outage_before_a_save_is_one_line_status_1_and_the_run_resumes
     args = [*tiny_overrides, f"run.steps={STEPS}", "run.checkpoint_every=2",
             f"run.dir={run_dir}", "run.sample_tokens=0", "imports=[faults]"]
     env = {**os.environ, **fault_env(pause_step=3, pause_file=paused), **through_proxy}
-    proc = subprocess.Popen([sys.executable, "-m", "cem_jax.train", *args], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "cem_jax.cli.train", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(paused, proc, timeout=240)

@@ -77,7 +77,7 @@ def test_two_processes_train_into_a_bucket_and_one_resumes(tiny_overrides, gcs_b
     common = [*tiny_overrides, "run.checkpoint_every=2", "run.sample_tokens=0",
               f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "cem_jax.train", *common, "run.steps=3",
+        [sys.executable, "-m", "cem_jax.cli.train", *common, "run.steps=3",
          "mesh.distributed=true", f"mesh.coordinator_address=localhost:{port}",
          "mesh.num_processes=2", f"mesh.process_id={i}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

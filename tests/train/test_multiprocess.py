@@ -24,7 +24,7 @@ def test_sigterm_stops_every_process_at_one_step_through_the_preemption_service(
     every process stops after the same sync step and saves it, without a collective per step."""
     port = portpicker.pick_unused_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "cem_jax.train", *tiny_overrides, f"run.dir={tmp_path}",
+        [sys.executable, "-m", "cem_jax.cli.train", *tiny_overrides, f"run.dir={tmp_path}",
          "run.steps=200", "run.checkpoint_every=100", "imports=[faults]",
          "mesh.distributed=true",
          f"mesh.coordinator_address=localhost:{port}", "mesh.num_processes=2",
@@ -49,7 +49,7 @@ def _two_processes(args: list[str], timeout: float = 300, own: tuple[list, list]
     with `returncodes`)."""
     port = portpicker.pick_unused_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "cem_jax.train", *args, *own[i], "mesh.distributed=true",
+        [sys.executable, "-m", "cem_jax.cli.train", *args, *own[i], "mesh.distributed=true",
          f"mesh.coordinator_address=localhost:{port}", "mesh.num_processes=2",
          f"mesh.process_id={i}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -181,7 +181,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_newest_checkpoint(straight, tiny_
     shutil.copytree(straight, run_dir)
     limited = ("import resource, runpy, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
                "resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10)); "
-               "runpy.run_module('cem_jax.train', run_name='__main__')")
+               "runpy.run_module('cem_jax.cli.train', run_name='__main__')")
     result = subprocess.run([sys.executable, "-c", limited, *tiny_overrides, f"run.dir={run_dir}",
                              *EVERY, "run.steps=24"], cwd=REPO, capture_output=True, text=True,
                             timeout=300)

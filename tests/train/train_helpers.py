@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_cli(args: list[str], env: dict[str, str] | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m cem_jax.train ARGS` in a subprocess (output captured as text)."""
-    return subprocess.run([sys.executable, "-m", "cem_jax.train", *args], cwd=REPO,
+    """`python -m cem_jax.cli.train ARGS` (cem-train) in a subprocess (output captured as text)."""
+    return subprocess.run([sys.executable, "-m", "cem_jax.cli.train", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
