@@ -5,5 +5,6 @@ test, at equal steps and equal training FLOPs, and over model size.
 `plan` reads the study's YAML file and says which runs it needs; `records` trains one and writes
 its per-run file (committed: the report is made from those files alone); `analysis` turns the
 files into stability figures, paired differences and their tests (`cem_jax.stats`); `report`
-and `figures` write the Markdown and the PNGs.
+writes the Markdown from its sections (`what_ran`, `sentences`, `tables`; their formatting in
+`text`) and `figures` the PNGs.
 """

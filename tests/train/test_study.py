@@ -34,7 +34,8 @@ from cem_jax.study.analysis import diverged, spike_steps, spikes
 from cem_jax.study.figures import colours
 from cem_jax.study.plan import RunKey, load_study, plan, rate_text
 from cem_jax.study.records import run_spec
-from cem_jax.study.report import PRIMARY, SUMMARY_END, SUMMARY_START, _slopes, _validation
+from cem_jax.study.sentences import PRIMARY, SUMMARY_END, SUMMARY_START, slope_lines
+from cem_jax.study.what_ran import _validation
 from cem_jax.train_config import load_config
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -728,7 +729,7 @@ def test_trend_slope_over_seeds_and_over_size_means(study_file: Path):
                                           "params": 2 * params[size]},
                     "shakespeare_cem": {"values": {s: 2.0 + g for s, g in enumerate(gaps[size])},
                                         "runs": 3, "params": params[size]}} for size in gaps}
-    [line] = _slopes(load_study(study_file), sizes)
+    [line] = slope_lines(load_study(study_file), sizes)
     x = [5.0] * 3 + [6.0] * 3 + [7.0] * 3
     seeds = scipy.stats.linregress(x, [g for size in gaps for g in gaps[size]])
     means = scipy.stats.linregress([5.0, 6.0, 7.0], [np.mean(g) for g in gaps.values()])
