@@ -5,23 +5,26 @@ docs/exit_statuses.md has every command's):
 
     0  FINISHED    every run.steps step taken and the final validation logged (also: a finished
                    run started again, a dry run)
-    1  CRASHED     an unexpected error, a bug or a lost host or device: the traceback, then one
-                   line; the launchers retry a bounded number of times (Python's own status for
-                   an uncaught exception is 1 too). Also object storage (a `gs://` run.dir or
-                   data) unreachable or failing (`cem_jax.data.storage_errors`): one line
-                   naming the URL, no traceback, within about a minute (gcsfs's retries of one
-                   request; the way out makes no other full retry cycle); the newest complete
-                   checkpoint is kept, and a relaunch on the same host takes the lock left on
-                   the bucket at once (`cem_jax.train.lock`). A save in flight when the storage
-                   went away is retried by TensorStore for many minutes first
-                   (`cem_jax.checkpoint`)
+    1  CRASHED     an unexpected error, a bug or a device lost: the traceback, then one line
+                   (or, when the training process died of a signal, the supervisor's line:
+                   `cem_jax.cli.supervise`); the launchers retry a bounded number of times
+                   (Python's own status for an uncaught exception is 1 too)
     2  CANNOT_RUN  the run cannot go on as configured and a retry will not help: a bad config,
                    a missing or corrupt data file or checkpoint, an unwritable, full or in-use
                    run.dir, a step that does not fit in device memory; not retried
     3  DIVERGED    a non-finite loss, gradient or updated parameter; not retried (it would
                    diverge again); the last good checkpoint is kept
-    75 STOPPED     SIGINT or SIGTERM before run.steps (EX_TEMPFAIL): what it trained is saved;
-                   the launchers start it again, and it resumes
+    75 STOPPED     before run.steps, for a reason a relaunch gets past (EX_TEMPFAIL); the
+                   launchers start it again, and it resumes from the newest complete
+                   checkpoint: SIGINT or SIGTERM (what it trained is saved); a peer process
+                   lost (a host killed, stalled or preempted: `cem_jax.train.watchdog`, within
+                   mesh.heartbeat_timeout_s); object storage (a `gs://` run.dir or data)
+                   unreachable or failing (`cem_jax.data.storage_errors`: one line naming the
+                   URL, within about a minute of gcsfs's retries); a checkpoint save that did
+                   not finish within run.save_timeout_s (abandoned: TensorStore would retry
+                   for many minutes). Each is one line naming the process and its phase; a
+                   relaunch on the same host takes a bucket's lock at once
+                   (`cem_jax.train.lock`)
 
 Signals: `caught()` (all of cem-train, from before JAX is imported) makes SIGINT and SIGTERM set
 a flag instead of raising KeyboardInterrupt wherever the main thread happens to be (inside XLA's

@@ -106,7 +106,12 @@ class MeshConfig:
     Multi-host: `coordinator_address` ("host:port"), `num_processes` and `process_id` are passed
     to `jax.distributed.initialize`; with `distributed: true` and them left null, JAX finds them
     in the cluster's environment (TPU pods, SLURM, ...). `distributed: false` (default) runs
-    one process.
+    one process. JAX's coordination service (in process 0) bounds how a lost process ends the
+    others (`jax.distributed.initialize`'s timeouts, seconds): heartbeat_timeout_s, a process
+    silent for this long is dead (a SIGKILL, a host gone, a stalled one) and every other one
+    ends, status 75 (docs/training.md, "When a host fails"); initialization_timeout_s, how long
+    the processes wait for each other at the start; shutdown_timeout_s, how long a process
+    that ends waits for the others at the end.
     """
 
     data: int = -1
@@ -117,12 +122,18 @@ class MeshConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    heartbeat_timeout_s: int = 30
+    initialization_timeout_s: int = 300
+    shutdown_timeout_s: int = 60
 
     def __post_init__(self):
         check_field_types(self)
         for name, size in zip(MESH_AXES, self.sizes(), strict=True):
             require(size == -1 or size >= 1, name, size, "a positive integer or -1")
         require(self.num_slices >= 1, "num_slices", self.num_slices, "a positive integer")
+        for name in ("heartbeat_timeout_s", "initialization_timeout_s", "shutdown_timeout_s"):
+            require(getattr(self, name) >= 1, name, getattr(self, name),
+                    "a positive number of seconds")
         free = [name for name, size in zip(MESH_AXES, self.sizes(), strict=True) if size == -1]
         if len(free) > 1:
             require(False, free[1], -1, f"a positive integer, since {free[0]} is -1 already "
@@ -159,6 +170,10 @@ class RunConfig:
     sample_tokens / sample_prompt / sample_temperature: the sample printed at the end (0 =
       greedy).
     progress: show a tqdm progress bar.
+    save_timeout_s: a checkpoint save still unfinished after this many seconds, or three
+      times the longest save before it if that is longer, is abandoned and the process ends
+      with status 75 (its storage gone: TensorStore would retry for many minutes); the newest
+      complete checkpoint stays the one a relaunch resumes from (`cem_jax.train.watchdog`).
     profile_start / profile_steps / profile_all_processes: a `jax.profiler` trace of steps
       profile_start … profile_start + profile_steps - 1 (1-based optimizer steps; null: none),
       on process 0 only unless profile_all_processes, in `dir`/tensorboard/plugins/profile
@@ -186,6 +201,7 @@ class RunConfig:
     sample_prompt: str = "ROMEO:"
     sample_temperature: float = 0.8
     progress: bool = True
+    save_timeout_s: float = 60.0
     profile_start: int | None = None
     profile_steps: int = 3
     profile_all_processes: bool = False
@@ -217,6 +233,8 @@ class RunConfig:
         require(self.wandb_mode in ("online", "offline"), "wandb_mode", self.wandb_mode,
                 "one of 'online', 'offline'")
         require(self.sample_tokens >= 0, "sample_tokens", self.sample_tokens, ">= 0")
+        require(self.save_timeout_s > 0, "save_timeout_s", self.save_timeout_s,
+                "a positive number of seconds")
         require(self.sample_temperature >= 0, "sample_temperature", self.sample_temperature,
                  ">= 0")
         require(self.peak_flops is None or self.peak_flops > 0, "peak_flops", self.peak_flops,

@@ -9,6 +9,9 @@ PYTHONPATH: `fault_env`), and the environment chooses the fault:
   CEM_FAULT_SIGNAL_STEP=N   the process sends itself CEM_FAULT_SIGNAL (SIGTERM, the default,
                             SIGINT or SIGKILL) right after step N is dispatched, before the
                             loop's other hooks of that step
+  CEM_FAULT_KILL_PHASE=P    the process SIGKILLs itself as it enters the first phase whose
+                            name starts with P (`cem_jax.train.watchdog.enter`: "train step 11",
+                            "the evaluation at step 20"): a host lost at that point
   CEM_FAULT_PAUSE_STEP=N    after the loop's other hooks of step N: waits for step N and every
   CEM_FAULT_PAUSE_FILE=F    checkpoint save started so far to finish, creates file F, and waits
                             until F is deleted (at most PAUSE_S), then goes on: a point at which
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from cem_jax.train import run
+from cem_jax.train import run, watchdog
 from cem_jax.train.loop import Hook
 
 HERE = Path(__file__).parent
@@ -97,7 +100,21 @@ def arm(patch, **faults) -> None:
     patch(run, "SETUP_HOOKS", (*run.SETUP_HOOKS, setup_hook(**faults)))
 
 
+def kill_at_phase(prefix: str) -> None:
+    """SIGKILL this process as it enters a phase whose name starts with `prefix`."""
+    enter = watchdog.enter
+
+    def enter_or_die(phase: str) -> None:
+        if phase.startswith(prefix):
+            os.kill(os.getpid(), signal.SIGKILL)
+        enter(phase)
+
+    watchdog.enter = enter_or_die
+
+
 def _from_env() -> None:
+    if prefix := os.environ.get("CEM_FAULT_KILL_PHASE"):
+        kill_at_phase(prefix)
     nan, sig = os.environ.get("CEM_FAULT_NAN_STEP"), os.environ.get("CEM_FAULT_SIGNAL_STEP")
     pause = os.environ.get("CEM_FAULT_PAUSE_STEP")
     if nan or sig or pause:

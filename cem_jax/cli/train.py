@@ -8,9 +8,11 @@
 The command reads the config, then trains (`cem_jax.train.run.train`: what a run directory
 holds, resuming, signals, divergence) or dry-runs (`cem_jax.train.dry_run`). It ends with one of
 the exit statuses of `cem_jax.exits.ExitStatus`, after one line saying why unless it finished (a
-crash: its traceback, then the line; object storage unreachable or failing: the line alone): 0
-finished, 1 crashed (retry), 2 cannot run as configured, 3 diverged, 75 stopped by SIGTERM or
-SIGINT before its last step (relaunch to resume).
+crash: its traceback, then the line): 0 finished, 1 crashed (retry), 2 cannot run as configured,
+3 diverged, 75 stopped before its last step for a reason a relaunch gets past (SIGTERM or
+SIGINT, a lost peer process, object storage unreachable, an abandoned save: relaunch to
+resume). The command trains in a child process that it watches (`cem_jax.cli.supervise`), so
+that a fault ending the JAX process from inside still ends it in one line.
 Messages go through `logging` (the "cem_jax" loggers; `cem-train` prints them on stdout, from
 process 0 only, warnings from every process, prefixed with the process index in multi-host
 runs).
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cem_jax import exits
+from cem_jax.cli import supervise
 from cem_jax.cli.arguments import parse_train_args
 from cem_jax.data import files
 from cem_jax.data.storage_errors import storage_error
@@ -54,10 +57,20 @@ _DISK_FULL_ADVICE = {errno.ENOSPC: "free space there or give another run.dir",
                                   "run.dir"}
 
 
+def console() -> int:
+    """The `cem-train` command (and `python -m cem_jax.cli.train`): parses the arguments (a
+    usage error or --help answers here), then trains in a child process that it watches
+    (`cem_jax.cli.supervise`); in that child, `main`."""
+    if os.environ.pop(supervise.WORKER, None) == "1":
+        return main()
+    parse_train_args(sys.argv[1:])
+    return supervise.supervise(sys.argv[1:])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `cem-train`; returns its exit status (`ExitStatus`: 0 finished, 1 crashed, 2 cannot
-    run as configured, 3 diverged, 75 stopped by a signal), after one line on stderr saying why
-    it ended (a crash prints its traceback first)."""
+    """Run `cem-train` in this process; returns its exit status (`ExitStatus`: 0 finished, 1
+    crashed, 2 cannot run as configured, 3 diverged, 75 stopped for a reason a relaunch gets
+    past), after one line on stderr saying why it ended (a crash prints its traceback first)."""
     with exits.caught("cem-train"):
         return run_command(parse_train_args(argv))
 
@@ -70,8 +83,8 @@ def run_command(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         check_config_location(args.config, args.overrides, cfg)
     except Exception as err:  # a config on a bucket: a storage failure first
-        if (said := storage_error(err)) is not None:
-            return exits.report(ExitStatus.CRASHED, said)
+        if (said := storage_error(err)) is not None:  # it may come back: relaunch
+            return exits.report(ExitStatus.STOPPED, said)
         if not isinstance(err, (ValueError, FileNotFoundError)):
             raise
         return exits.report(ExitStatus.CANNOT_RUN, f"configuration error: {err}")
@@ -109,9 +122,11 @@ def _failed(err: Exception, run_dir: str) -> int:
     from cem_jax.checkpoint import CheckpointError, complete_steps
     from cem_jax.data.shakespeare import FetchError
     from cem_jax.memory import is_out_of_memory
+    from cem_jax.train import watchdog
     from cem_jax.train.lock import RunDirInUse
     from cem_jax.train.loop import TrainingDiverged
 
+    watchdog.leave_if_peer_lost(type(err), err, err.__traceback__)
     if isinstance(err, TrainingDiverged):
         return exits.report(ExitStatus.DIVERGED, f"diverged: {err}")
     if isinstance(err, OSError) and err.errno in _DISK_FULL_ADVICE:
@@ -127,7 +142,8 @@ def _failed(err: Exception, run_dir: str) -> int:
             f"optimizer.accumulation_steps or set model.remat=full (`cem-train --dry-run` "
             f"estimates the activations). Checkpoints already written are kept.")
     if (said := storage_error(err)) is not None:  # TensorStore's are ValueErrors
-        return exits.report(ExitStatus.CRASHED, said)  # one line: the storage may come back
+        return exits.report(ExitStatus.STOPPED, f"{watchdog.who()}, during "
+                            f"{watchdog.phase()}: {said}")  # one line: the storage may come back
     if isinstance(err, (RunDirInUse, CheckpointError, FetchError, ValueError)) or (
             isinstance(err, OSError) and err.errno in _CANNOT_RUN_ERRNOS):
         return exits.report(ExitStatus.CANNOT_RUN, f"error: {err}")
@@ -161,4 +177,4 @@ def check_config_location(config: str | None, overrides: Sequence[str],
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

@@ -2,7 +2,8 @@
 outage, a stopped emulator), and the one line a command prints for it instead of a traceback
 (`storage_error`). `cem_jax.data.files` notes the URL a failed call was reading or writing on
 the exception (`NOTE`); the commands (cem-data, cem-train, cem-eval, cem-sample, cem-export,
-cem-import) print the line and exit with status 1 (docs/exit_statuses.md).
+cem-import) print the line and exit with status 1, cem-train with 75, which its launchers
+relaunch (docs/exit_statuses.md).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from cem_jax import exits
 from cem_jax.data import files
 from cem_jax.evaluate import describe
 from cem_jax.exits import StoppedBySignal
+from cem_jax.train import watchdog
 from cem_jax.train.loop import StepInfo
 from cem_jax.train.metrics import MetricsWriter
 from cem_jax.train_config import RunConfig
@@ -109,6 +110,7 @@ class Validate:
         if info.last:
             return
         info.finish()
+        watchdog.enter(f"the evaluation at step {info.step}")
         try:
             result = self.validate(info.state["params"])
         except StoppedBySignal:
@@ -129,7 +131,9 @@ class SaveCheckpoint:
 
     def __call__(self, info: StepInfo) -> None:
         info.finish()
+        watchdog.enter(f"the metrics flush before the checkpoint of step {info.step}")
         self.writer.flush()
+        watchdog.enter(f"the start of the checkpoint save of step {info.step}")
         self.save(info.step, info.state)
 
 

@@ -40,6 +40,8 @@ from typing import Any, Literal
 
 import jax
 
+from cem_jax.train import watchdog
+
 # How `TrainingDiverged` names the train step's metrics.
 _NAMES = {"grad_norm": "gradient norm", "param_norm": "norm of the updated parameters"}
 
@@ -139,7 +141,10 @@ class TrainLoop:
         """Take the steps; returns (final state, steps taken, whether a hook requested the
         stop). Raises TrainingDiverged and whatever a hook raises."""
         pending: StepInfo | None = None
+        first = self.step + 1
         while self.step < self.last_step:
+            watchdog.enter(f"train step {self.step + 1}" if self.step + 1 > first else
+                           f"train step {first} (the first of this start: its compilation)")
             self._charged = self.train_clock()
             with jax.profiler.StepTraceAnnotation("train", step_num=self.step + 1):
                 self.state, metrics = self.step_fn(self.state, next(self.batches))

@@ -59,7 +59,7 @@ from cem_jax.kinds import check_decodable, check_user_kinds, model_kinds
 from cem_jax.optim import check_trainable
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
-from cem_jax.train import hooks
+from cem_jax.train import hooks, watchdog
 from cem_jax.train.lock import run_dir_lock
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
 from cem_jax.train.metrics import (
@@ -130,8 +130,12 @@ def train(cfg: TrainConfig, hooks: Sequence[SetupHook] = ()) -> dict[str, Any]:
     check_trainable(cfg.model)
     cache = use_compilation_cache(cfg)  # before anything compiles
     if cfg.mesh.distributed:
-        jax.distributed.initialize(cfg.mesh.coordinator_address, cfg.mesh.num_processes,
-                                   cfg.mesh.process_id)
+        jax.distributed.initialize(
+            cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id,
+            initialization_timeout=cfg.mesh.initialization_timeout_s,
+            heartbeat_timeout_seconds=cfg.mesh.heartbeat_timeout_s,
+            shutdown_timeout_seconds=cfg.mesh.shutdown_timeout_s)
+    watchdog.started(jax.process_index(), jax.process_count())
     m = cfg.model  # an impl this platform cannot run, or a wrong kind, fails before writing
     check_user_kinds(m)
     attention_impl(m.impl, jnp.dtype(m.dtype), m.head_width, tied=m.kinds[0] != "llama_attention")
@@ -198,7 +202,10 @@ def _train(cfg: TrainConfig, run_dir: str, mesh: jax.sharding.Mesh, lead: bool,
     with contextlib.ExitStack() as closing:  # closed on errors too
         checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
         closing.callback(checkpointer.close)
+        closing.push(watchdog.leave_if_peer_lost)  # before that close waits for the peer
         resume_step = checkpointer.latest_step()
+        if resume_step is not None:
+            watchdog.saved(resume_step)
         finished = finished_result(cfg, run_dir, resume_step)
         if lead and finished is None and not files.is_url(run_dir) and \
                 not os.access(run_dir, os.W_OK):
@@ -303,9 +310,11 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
     if stopped:
         raise _stopped_at(StoppedBySignal(exits.received() or signal.SIGTERM), step, first,
                           checkpointer)
+    watchdog.enter(f"the wait for the checkpoint of step {step}")
     checkpointer.wait()
     summary = {"step": step, "eval": {}, "sample": "", "state": state}
     if cfg.data.has_validation:
+        watchdog.enter(f"the final evaluation at step {step}")
         try:
             summary["eval"] = _validate(cfg, trainer, state["params"], tokenizer, mesh)
         except StoppedBySignal as stop:
@@ -372,9 +381,14 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
         validate = hooks.Validate(
             lambda params: _validate(cfg, trainer, params, tokenizer, mesh), writer)
         loop.add_hook(validate, run.eval_every, reads="state")
-    loop.add_hook(hooks.SaveCheckpoint(
-        lambda step, state: checkpointer.save(step, state, cfg.to_dict(), tokenizer),
-        writer), run.checkpoint_every, reads="state", at_last=True)
+    watch = watchdog.SaveWatch(checkpointer.manager.is_saving_in_progress, run.save_timeout_s)
+
+    def save(step: int, state: dict) -> None:
+        checkpointer.save(step, state, cfg.to_dict(), tokenizer)
+        watch.started(step)
+
+    loop.add_hook(hooks.SaveCheckpoint(save, writer), run.checkpoint_every, reads="state",
+                  at_last=True)
     profile = hooks.Profile(run, first)  # a window from step first + 1 on starts now
     closing.callback(profile.close)  # a trace the loop left running
     loop.add_hook(profile, reads="state")

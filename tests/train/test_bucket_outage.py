@@ -1,8 +1,8 @@
 """A storage outage in the middle of a run on a bucket (`run.dir=gs://...`): cem-train reaches
 the emulator (`gcs_bucket`) through a TCP proxy in this process, which the test cuts at a chosen
 point (`tests/faults.py`'s pause, once checkpoint 2 is committed and before the next save
-starts). The run fails at the metrics flush that precedes its next save: exit status 1 (the
-launchers retry it), one line on stderr, within a bounded time (no full retry cycle at each
+starts). The run fails at the metrics flush that precedes its next save: exit status 75 (the
+launchers relaunch it), one line on stderr, within a bounded time (no full retry cycle at each
 cleanup on the way out); checkpoint 2 still restores; once the storage is back, the same command
 resumes from it at once (the lock left on the bucket is its dead holder's, on this host) and
 finishes. Also: which lock holders a relaunch takes over at once (`cem_jax.train.lock._gone`),
@@ -107,10 +107,10 @@ def _wait_for(path, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def test_a_storage_outage_before_a_save_is_one_line_status_1_and_the_run_resumes(
+def test_a_storage_outage_before_a_save_is_one_line_status_75_and_the_run_resumes(
         tiny_overrides, gcs_emulator, gcs_bucket, tmp_path):
     """The storage cut after step 3 (checkpoint 2 committed): the run fails at step 4's metrics
-    flush, before its save, with exit status 1 and one line on stderr naming the URL, in
+    flush, before its save, with exit status 75 and one line on stderr naming the URL, in
     bounded time; checkpoint 2 restores; the same command, the storage back, resumes from step
     2 at once and finishes."""
     run_dir = f"{gcs_bucket}/runs/cem"
@@ -137,12 +137,13 @@ def test_a_storage_outage_before_a_save_is_one_line_status_1_and_the_run_resumes
         proxy.cut()
     print(f"from the cut to the end of cem-train: {took:.1f} s\nstdout (its end):\n"
           f"{out[-1500:]}\nstderr:\n{err}")
-    assert proc.returncode == 1, (out[-2000:], err[-3000:])
+    assert proc.returncode == 75, (out[-2000:], err[-3000:])  # the launchers relaunch it
     lines = [line for line in err.splitlines() if not TEST_TOKEN_LOG.match(line)]
     assert len(lines) == 1, err[-5000:]
-    assert lines[0].startswith(f"cem-train: object storage unreachable or failing at "
-                               f"{run_dir}/"), lines
-    assert "nothing was lost" in lines[0] and lines[0].endswith("(exit status 1)"), lines
+    assert lines[0].startswith(f"cem-train: the training process, during the metrics flush "
+                               f"before the checkpoint of step 4: object storage unreachable "
+                               f"or failing at {run_dir}/"), lines
+    assert "nothing was lost" in lines[0] and lines[0].endswith("(exit status 75)"), lines
     assert took < MAX_FAIL_S, took
 
     proxy.restore()
@@ -157,6 +158,49 @@ def test_a_storage_outage_before_a_save_is_one_line_status_1_and_the_run_resumes
     print(f"the resumed run took {time.monotonic() - started:.1f} s")
     assert complete_steps(checkpoints) == [2, 4, 6]
     assert not [n for n in files.names(run_dir) if n.startswith(".lock")]
+
+
+def test_a_save_in_flight_when_its_storage_goes_is_abandoned_in_bounded_time(
+        tiny_overrides, gcs_emulator, gcs_bucket, tmp_path):
+    """TensorStore's writes (the checkpoint's arrays, through their own proxy) cut after step 3,
+    gcsfs's (metrics, orbax's folders) left: the save of step 4 starts and its arrays cannot be
+    written (TensorStore would retry for many minutes). It is abandoned after
+    run.save_timeout_s, in one line, status 75; its temporary folder is never restored: the
+    relaunch, the storage back, resumes from step 2 and finishes."""
+    run_dir = f"{gcs_bucket}/runs/cem"
+    arrays = Proxy(gcs_emulator)
+    through = {"STORAGE_EMULATOR_HOST": gcs_emulator, "TENSORSTORE_GCS_HTTP_URL": arrays.url}
+    paused = tmp_path / "paused"
+    args = [*tiny_overrides, f"run.steps={STEPS}", "run.checkpoint_every=2",
+            f"run.dir={run_dir}", "run.sample_tokens=0", "run.save_timeout_s=5",
+            "imports=[faults]"]
+    env = {**os.environ, **fault_env(pause_step=3, pause_file=paused), **through}
+    proc = subprocess.Popen([sys.executable, "-m", "cem_jax.cli.train", *args], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(paused, proc, timeout=240)
+        arrays.cut()
+        cut = time.monotonic()
+        paused.unlink()
+        out, err = proc.communicate(timeout=300)
+        took = time.monotonic() - cut
+    finally:
+        proc.kill()
+        arrays.cut()
+    lines = [line for line in err.splitlines() if not TEST_TOKEN_LOG.match(line)]
+    assert proc.returncode == 75 and len(lines) == 1, err[-5000:]
+    assert lines[0].startswith("cem-train: the training process abandoned the checkpoint save "
+                               "of step 4, unfinished after "), lines
+    assert lines[0].endswith("the newest complete checkpoint is step 2: relaunch to resume "
+                             "from it (exit status 75)"), lines
+    assert 5 <= took < 30, took
+    checkpoints = files.join(run_dir, "checkpoints")
+    assert complete_steps(checkpoints) == [2]
+    arrays.restore()
+    resumed = run_cli(args, env={**fault_env(), **through})
+    assert resumed.returncode == 0, (resumed.stdout[-2000:], resumed.stderr[-3000:])
+    assert "from step 2" in resumed.stdout, resumed.stdout[-3000:]
+    assert complete_steps(checkpoints) == [2, 4, 6]
 
 
 def test_a_lock_left_by_a_process_gone_from_this_host_is_taken_over_at_once(gcs_bucket):

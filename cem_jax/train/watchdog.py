@@ -1,0 +1,167 @@
+"""Where a training process is, told to the supervisor that started it, and how it leaves when
+a peer or its storage is lost.
+
+`cem-train` runs the training in a child process (`cem_jax.cli.supervise`), which writes one
+line per event to the pipe named by CEM_TRAIN_PHASE_FD (nothing when it is unset: a notebook,
+an in-process test):
+
+    process I N        this is process I of N (after jax.distributed.initialize)
+    phase TEXT         what the main thread does now ("train step 16", "evaluation at step
+                       20", "start-up")
+    checkpoint STEP    the newest complete checkpoint is STEP
+
+The supervisor names the phase and the checkpoint in the one line it prints when the child
+dies of a fault that the child could not report itself (JAX's coordination service aborts the
+process when a peer or the coordinator is lost).
+
+Faults the child sees itself end it through `leave`: one line, then `os._exit(75)` (the
+retryable status, `ExitStatus.STOPPED`): after a peer is lost, a normal exit would wait in
+JAX's shutdown barrier for the dead peer (`mesh.shutdown_timeout_s`) and then abort. A save in
+flight is watched (`SaveWatch`): one that does not finish within its bound (a storage that went
+away: TensorStore retries for many minutes) is abandoned so; its temporary folder is never
+restored.
+
+This module imports no JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import NoReturn
+
+PHASE_FD = "CEM_TRAIN_PHASE_FD"
+STOPPED = 75  # `cem_jax.exits.ExitStatus.STOPPED`: relaunch to resume
+
+
+class _State:
+    process: tuple[int, int] = (0, 1)
+    phase = "start-up"
+    checkpoint: int | None = None
+    lock = threading.Lock()
+
+
+def _tell(line: str) -> None:
+    """Write `line` to the supervisor's pipe, if there is one (a supervisor gone: ignored)."""
+    fd = os.environ.get(PHASE_FD)
+    if fd is None:
+        return
+    with _State.lock, contextlib.suppress(OSError):
+        os.write(int(fd), (line + "\n").encode())
+
+
+def started(process: int, count: int) -> None:
+    """This is process `process` of `count`."""
+    _State.process = (process, count)
+    _tell(f"process {process} {count}")
+
+
+def enter(phase: str) -> None:
+    """The main thread now does `phase` ("train step 16")."""
+    _State.phase = phase
+    _tell(f"phase {phase}")
+
+
+def saved(step: int) -> None:
+    """The newest complete checkpoint is now step `step`."""
+    _State.checkpoint = step
+    _tell(f"checkpoint {step}")
+
+
+def phase() -> str:
+    """What the main thread did last ("train step 16")."""
+    return _State.phase
+
+
+def who() -> str:
+    """"process 1 of 2" (or "the training process" when it runs alone)."""
+    index, count = _State.process
+    return f"process {index} of {count}" if count > 1 else "the training process"
+
+
+def resume_note(checkpoint: int | None) -> str:
+    """What a relaunch resumes from."""
+    if checkpoint is None:
+        return "no checkpoint was written yet: relaunch to start again"
+    return f"the newest complete checkpoint is step {checkpoint}: relaunch to resume from it"
+
+
+def leave(what: str) -> NoReturn:
+    """End the process at once with the retryable status 75 after one stderr line:
+    "cem-train: process 1 of 2 WHAT during PHASE; the newest complete checkpoint is step N:
+    relaunch to resume from it (exit status 75)". Nothing is unwound: no shutdown barrier, no
+    pending save waits for a peer or a storage that is gone."""
+    line = (f"cem-train: {who()} {what} during {_State.phase}; "
+            f"{resume_note(_State.checkpoint)} (exit status {STOPPED})\n")
+    with contextlib.suppress(Exception):  # the main thread may be inside a write to it
+        sys.stdout.flush()
+    os.write(2, line.encode())
+    os._exit(STOPPED)
+
+
+# What the errors of a collective or a barrier whose peer is gone say (Gloo on CPUs, NCCL on
+# GPUs, JAX's coordination service and orbax's barriers everywhere); lower case.
+_PEER_LOST = ("gloo", "nccl", "coordination service", "heartbeat", "barrier",
+              "connection reset by peer")
+
+
+def lost_peer(err: BaseException | None) -> str | None:
+    """The first line of `err` when it says that a collective or a barrier lost its peer, in a
+    run of several processes; else None."""
+    if err is None or _State.process[1] == 1:
+        return None
+    text = str(err)
+    if not any(marker in text.lower() for marker in _PEER_LOST):
+        return None
+    return (text.splitlines() or [""])[0][:300]
+
+
+def leave_if_peer_lost(exc_type, err, traceback) -> None:
+    """An `ExitStack.push` callback: `leave` when the error unwinding the block is a lost peer's
+    (before the block's other exits wait for that peer: a checkpoint's close, a barrier)."""
+    if (cause := lost_peer(err)) is not None:
+        leave(f"lost a peer ({cause})")
+
+
+class SaveWatch:
+    """Abandon a checkpoint save that does not finish within its bound: `timeout_s`, or three
+    times the longest save that finished before it, whichever is longer (a large model's save
+    to a bucket may take minutes; a dead storage's retries take longer). `in_progress()` says
+    whether the newest save is still being written (orbax's `is_saving_in_progress`)."""
+
+    def __init__(self, in_progress: Callable[[], bool], timeout_s: float, poll_s: float = 0.25):
+        self.in_progress, self.timeout_s, self.poll_s = in_progress, timeout_s, poll_s
+        self.longest = 0.0
+        self._watching: tuple[threading.Thread, threading.Event] | None = None
+
+    def started(self, step: int) -> None:
+        """A save of step `step` has started: the one before it has finished (orbax waits for
+        it before it starts the next)."""
+        if self._watching is not None:
+            thread, done = self._watching
+            done.set()
+            thread.join()
+        done = threading.Event()
+        thread = threading.Thread(target=self._watch, args=(step, time.monotonic(), done),
+                                  name=f"cem_jax save watch {step}", daemon=True)
+        self._watching = (thread, done)
+        thread.start()
+
+    def bound(self) -> float:
+        return max(self.timeout_s, 3 * self.longest)
+
+    def _watch(self, step: int, start: float, done: threading.Event) -> None:
+        while not done.is_set():
+            if not self.in_progress():
+                self.longest = max(self.longest, time.monotonic() - start)
+                break
+            if (waited := time.monotonic() - start) > self.bound():
+                leave(f"abandoned the checkpoint save of step {step}, unfinished after "
+                      f"{waited:.0f} s (run.save_timeout_s; its storage unreachable, or a "
+                      f"peer lost)")
+            done.wait(self.poll_s)
+        saved(step)

@@ -1,0 +1,36 @@
+"""The bound on a checkpoint save in flight (`cem_jax.train.watchdog.SaveWatch`): it grows with
+the longest save that finished, and a save that never finishes ends the process in one line
+with the retryable status 75."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from cem_jax.train import watchdog
+
+
+def test_the_bound_is_three_times_the_longest_finished_save():
+    finish_at = time.monotonic() + 0.4
+    watch = watchdog.SaveWatch(lambda: time.monotonic() < finish_at, timeout_s=0.5, poll_s=0.01)
+    watch.started(5)
+    assert watch.bound() == 0.5
+    time.sleep(0.6)
+    assert 1.2 <= watch.bound() < 1.5  # 3 x the 0.4 s the save of step 5 took
+    assert watchdog._State.checkpoint == 5  # told to the supervisor as done
+
+
+def test_a_save_that_never_finishes_ends_the_process_in_one_line_status_75():
+    code = ("import time; from cem_jax.train import watchdog; watchdog.started(1, 2); "
+            "watchdog.saved(20); watchdog.enter('train step 31'); "
+            "watchdog.SaveWatch(lambda: True, timeout_s=0.5).started(30); time.sleep(30)")
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 75 and time.monotonic() - start < 10
+    assert result.stderr.splitlines() == [
+        "cem-train: process 1 of 2 abandoned the checkpoint save of step 30, unfinished after "
+        "1 s (run.save_timeout_s; its storage unreachable, or a peer lost) during train step "
+        "31; the newest complete checkpoint is step 20: relaunch to resume from it (exit status "
+        "75)"]
