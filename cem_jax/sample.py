@@ -1,9 +1,10 @@
 """Sampling: `generate`, for the library, the end-of-training sample and `cem-sample`
 (`cem_jax.cli.sample`).
 
-`generate` is one compiled decode loop around the model's own forward pass with a decode cache
+`generate` is a compiled decode loop around the model's own forward pass with a decode cache
 (`CEMTransformer.__call__(..., cache=...)`, `cem_jax.kvcache`): the prompts are evaluated at
-once, then one token per row per step. Decoding treats documents as training does: an EOS
+once, then one token per row per step, in one call or in chunks (a long decode shows its
+progress and stops between chunks). Decoding treats documents as training does: an EOS
 token starts a new document, so the token after `… [EOS]` is predicted from that EOS alone,
 exactly as after a fresh `[EOS]` (positions restart at 0 there; the cache keeps its slots).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -86,42 +87,55 @@ class Generation:
     """Output of `generate`: `tokens` int32 [B,N] (pad after a row's EOS or its end),
     `lengths` int [B] (new tokens per row, EOS included), `logits` fp32 [B,N,V] (the
     distribution each new token was drawn from, when asked for: -inf at ids masked by
-    `SamplingConfig.vocab_size`) and the `cache` bytes."""
+    `SamplingConfig.vocab_size`), the `cache` bytes, and whether `generate`'s `chunks` stopped
+    it before its end (`stopped`)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
     logits: np.ndarray | None
     cache_bytes: int
+    stopped: bool = False
 
 
-def _decode(params, prompts, positions, lengths, options, cfg: ModelConfig, max_new_tokens: int,
-            keep_logits: bool):
-    """The decode loop (compiled by `_compiled`) of prompts int32 [B,P] at `positions` [B,P]
-    with real `lengths` [B]; options = (temperature, top_k, top_p, eos_id
-    or -1, stop_at_eos, pad_id, seed, vocab_size) as traced scalars, so that changing them
-    does not recompile."""
-    temperature, top_k, top_p, eos_id, stop_at_eos, pad_id, seed, vocab_size = options
-
-    def model(tokens, positions, cache):  # built where it runs (NNX modules hold no outer tracer)
+def _model(cfg: ModelConfig, params, vocab_size):
+    """The model's forward pass with a decode cache, logits at ids past `vocab_size` (ids the
+    tokenizer lacks) -inf; built where it runs (NNX modules hold no outer tracer)."""
+    def run(tokens, positions, cache):
         out = model_from_params(cfg, params)(tokens, positions, cache=cache)
-        logits, cache = out.logits, out.cache
-        valid = jnp.arange(logits.shape[-1]) < vocab_size  # ids the tokenizer has
-        return jnp.where(valid, logits, -jnp.inf), cache
+        valid = jnp.arange(out.logits.shape[-1]) < vocab_size
+        return jnp.where(valid, out.logits, -jnp.inf), out.cache
 
+    return run
+
+
+def _prefill(params, prompts, positions, lengths, options, cfg: ModelConfig,
+             max_new_tokens: int, keep_logits: bool) -> dict:
+    """The decode state after the prompts int32 [B,P] at `positions` [B,P] with real `lengths`
+    [B] (compiled by `_compiled`); options = (temperature, top_k, top_p, eos_id or -1,
+    stop_at_eos, pad_id, seed, vocab_size) as traced scalars, so that changing them does not
+    recompile."""
+    *_, pad_id, seed, vocab_size = options
     B, P = prompts.shape
     N = max_new_tokens
-    logits, cache = model(prompts, positions, init_cache(cfg, B, P + N))
+    logits, cache = _model(cfg, params, vocab_size)(prompts, positions, init_cache(cfg, B, P + N))
     cache = cache._replace(length=lengths)  # a shorter row's padding slots get overwritten
     last = (lengths - 1)[:, None]
-    state = {"i": jnp.int32(0), "cache": cache, "done": jnp.zeros((B,), bool),
-             "last": jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0],
-             "position": jnp.take_along_axis(positions, last, axis=1)[:, 0],
-             "key": jax.random.PRNGKey(seed), "tokens": jnp.full((B, N), pad_id, jnp.int32),
-             "logits": jnp.zeros((B, N, logits.shape[-1]) if keep_logits else (0,),
-                                 jnp.float32)}
+    return {"i": jnp.int32(0), "cache": cache, "done": jnp.zeros((B,), bool),
+            "last": jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0],
+            "position": jnp.take_along_axis(positions, last, axis=1)[:, 0],
+            "key": jax.random.PRNGKey(seed), "tokens": jnp.full((B, N), pad_id, jnp.int32),
+            "logits": jnp.zeros((B, N, logits.shape[-1]) if keep_logits else (0,),
+                                jnp.float32)}
+
+
+def _advance(params, state: dict, limit, options, cfg: ModelConfig, keep_logits: bool) -> dict:
+    """The decode state after new tokens up to number `limit` (a traced scalar ≤ N: one
+    compiled loop for every chunk length), or once every row is done."""
+    temperature, top_k, top_p, eos_id, stop_at_eos, pad_id, _, vocab_size = options
+    model = _model(cfg, params, vocab_size)
 
     def cond(st):
-        return (st["i"] < N) & ~jnp.all(st["done"])
+        return (st["i"] < limit) & ~jnp.all(st["done"])
 
     def body(st):
         key, sub = jax.random.split(st["key"])
@@ -136,21 +150,30 @@ def _decode(params, prompts, positions, lengths, options, cfg: ModelConfig, max_
                 "logits": (st["logits"].at[:, st["i"]].set(st["last"]) if keep_logits
                            else st["logits"])}
 
-    final = jax.lax.while_loop(cond, body, state)
-    return final["tokens"], final["logits"], final["i"]
+    return jax.lax.while_loop(cond, body, state)
 
 
 @functools.cache
 def _compiled(out_sharding: jax.sharding.Sharding | None):
-    return jax.jit(_decode, static_argnames=("cfg", "max_new_tokens", "keep_logits"),
-                   out_shardings=out_sharding)
+    """The jitted prefill and advance (their outputs on `out_sharding`, when given)."""
+    return (jax.jit(_prefill, static_argnames=("cfg", "max_new_tokens", "keep_logits"),
+                    out_shardings=out_sharding),
+            jax.jit(_advance, static_argnames=("cfg", "keep_logits"),
+                    out_shardings=out_sharding))
 
 
 def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              sampling: SamplingConfig, keep_logits: bool = False,
-             out_sharding: jax.sharding.Sharding | None = None) -> Generation:
-    """Continue each prompt (token ids, lengths may differ, each ≥ 1) with one compiled decode
+             out_sharding: jax.sharding.Sharding | None = None,
+             chunks: Callable[[int, int], int | None] | None = None) -> Generation:
+    """Continue each prompt (token ids, lengths may differ, each ≥ 1) with a compiled decode
     loop through the model and its decode cache.
+
+    chunks: None decodes in one call of the loop; else the loop runs in chunks, and
+    `chunks(done, total)` is called before each (tokens decoded so far per row, of
+    `sampling.max_new_tokens`) and returns the next chunk's length, or None to stop there
+    (`Generation.stopped`: what was decoded is returned). The tokens are those of one call
+    (one compiled loop runs every chunk: a chunk's length recompiles nothing).
 
     params: the model's pure parameter dict (numpy, or jax Arrays sharded anyhow, e.g. a
     train state's across processes: then give `out_sharding`, such as the mesh's replicated
@@ -184,13 +207,27 @@ def generate(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
                np.int32(-1 if s.eos_id is None else s.eos_id), np.bool_(s.stop_at_eos),
                np.int32(s.pad_id), np.uint32(s.seed),
                np.int32(cfg.vocab_size if s.vocab_size is None else s.vocab_size))
-    tokens, logits, steps = jax.device_get(_compiled(out_sharding)(
-        params, ids, document_positions(ids, s.eos_id), lengths, options, cfg,
-        s.max_new_tokens, keep_logits))
-    tokens = tokens[:, :int(steps)]
+    prefill, advance = _compiled(out_sharding)
+    state = prefill(params, ids, document_positions(ids, s.eos_id), lengths, options, cfg,
+                    s.max_new_tokens, keep_logits)
+    done, stopped = 0, False
+    while done < s.max_new_tokens:
+        step = s.max_new_tokens if chunks is None else chunks(done, s.max_new_tokens)
+        if step is None:
+            stopped = True
+            break
+        if step < 1:
+            raise ValueError(f"a decode chunk of {step} tokens: give at least 1 (or None)")
+        state = advance(params, state, np.int32(min(done + step, s.max_new_tokens)), options,
+                        cfg, keep_logits)
+        done, finished = (int(x) for x in jax.device_get((state["i"], jnp.all(state["done"]))))
+        if finished:
+            break
+    tokens, logits = jax.device_get((state["tokens"], state["logits"]))
+    tokens = tokens[:, :done]
     new = np.full(len(prompts), tokens.shape[1])
     if s.eos_id is not None and s.stop_at_eos:
         for b, row in enumerate(tokens):
             hit = np.flatnonzero(row == s.eos_id)
             new[b] = hit[0] + 1 if hit.size else tokens.shape[1]
-    return Generation(tokens, new, logits[:, :int(steps)] if keep_logits else None, bytes_)
+    return Generation(tokens, new, logits[:, :done] if keep_logits else None, bytes_, stopped)

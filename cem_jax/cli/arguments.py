@@ -107,6 +107,8 @@ def sample_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-stop-at-eos", action="store_true",
                         help="keep generating after the end-of-document token")
     _steps_argument(parser, "decodes")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (one shows only when stdout is a terminal)")
     return parser
 
 

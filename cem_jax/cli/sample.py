@@ -1,14 +1,23 @@
 """`cem-sample --run DIR [--step N] --prompt "..."`: print continuations of prompts by a run's
 model (`cem_jax.sample.generate`). The arguments are parsed before JAX is imported, so `--help`
 and a usage error (exit status 2) answer at once; the library is imported once they are.
+
+The decode runs in chunks of about `CHUNK_S` seconds each (one compiled loop for all), so that
+a long one shows its progress (a bar on stderr while stdout is a terminal; `--no-progress`: none)
+and a Ctrl-C stops it between two chunks: what was decoded is printed, then one line on
+stderr, exit status 130. The tokens are those of one unchunked decode.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 
 from cem_jax.cli.arguments import sample_parser
 from cem_jax.cli.failures import failed
@@ -18,13 +27,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`cem-sample`; returns the exit status (0 ok; 1 a crash, or object storage unreachable or
     failing: one line; 2 a usage error or a run that cannot be sampled as asked: a missing or
     unreadable run directory or checkpoint, a bad option value, a decode that does not fit in
-    memory)."""
+    memory; 130 stopped by SIGINT, what was decoded printed)."""
     return run_command(sample_parser().parse_args(argv))
 
 
 def run_command(args: argparse.Namespace) -> int:
     """`main` on parsed arguments (`cem_jax.cli.arguments.sample_parser`)."""
     import jax
+    from tqdm import tqdm
 
     from cem_jax.checkpoint import CheckpointError
     from cem_jax.compilation_cache import use_compilation_cache
@@ -52,9 +62,13 @@ def run_command(args: argparse.Namespace) -> int:
     if args.steps is not None:  # test-time recursion (DESIGN.md §1: the steps share weights)
         model_cfg = dataclasses.replace(model_cfg, steps=args.steps)
     try:
-        out = generate(run.params, model_cfg, prompts, sampling)
-    except KeyboardInterrupt:  # the compiled decode loop returns before Python sees SIGINT
-        print("cem-sample: stopped by SIGINT; nothing was printed", file=sys.stderr)
+        with _interruptible() as interrupted, tqdm(
+                total=sampling.max_new_tokens, unit="tok", file=sys.stderr, leave=False,
+                disable=args.no_progress or not sys.stdout.isatty()) as bar:
+            out = generate(run.params, model_cfg, prompts, sampling,
+                           chunks=_chunks(bar, interrupted))
+    except KeyboardInterrupt:  # a second SIGINT, inside a chunk: leave now
+        print("cem-sample: stopped by a second SIGINT; nothing was printed", file=sys.stderr)
         return 130
     except ValueError as err:  # DoesNotFit: refused before anything was allocated
         print(f"cem-sample: error: {err}", file=sys.stderr)
@@ -75,7 +89,51 @@ def run_command(args: argparse.Namespace) -> int:
     for text, row, n in zip(texts, out.tokens, out.lengths, strict=True):
         print(text + tok.decode(row[:n]))
         print("-" * 40)
+    if out.stopped:
+        print(f"cem-sample: stopped by SIGINT after {out.tokens.shape[1]:,} of "
+              f"{sampling.max_new_tokens:,} new tokens; printed what was decoded",
+              file=sys.stderr)
+        return 130
     return 0
+
+
+CHUNK_S = 0.25  # seconds of decoding between two looks at the progress and at Ctrl-C
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[threading.Event]:
+    """An Event set by SIGINT inside the block (a second SIGINT interrupts as usual)."""
+    interrupted = threading.Event()
+
+    def handle(signum, frame):
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        interrupted.set()
+
+    previous = signal.signal(signal.SIGINT, handle)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _chunks(bar, interrupted: threading.Event):
+    """`generate`'s `chunks`: about CHUNK_S seconds of tokens each (8 first: its compile), the
+    bar moved, None once interrupted."""
+    last = {"done": 0, "time": time.monotonic(), "size": 8}
+
+    def next_chunk(done: int, total: int) -> int | None:
+        if interrupted.is_set():
+            return None
+        now = time.monotonic()
+        if done > last["done"]:
+            bar.update(done - last["done"])
+            rate = (done - last["done"]) / max(now - last["time"], 1e-6)
+            last["size"] = max(1, min(int(rate * CHUNK_S), total))
+        last["done"], last["time"] = done, now
+        return last["size"]
+
+    return next_chunk
 
 
 if __name__ == "__main__":

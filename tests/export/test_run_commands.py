@@ -3,10 +3,19 @@ errors for corrupt or partial checkpoints and formats that cannot express a mode
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
+import pty
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -331,3 +340,54 @@ def test_a_run_stored_in_bfloat16_samples_evaluates_and_exports_but_does_not_tra
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model.param_dtype = bfloat16 stores the weights" in err, err
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
+def _sample_on_a_terminal(args: list[str]) -> subprocess.Popen:
+    """`cem-sample ARGS` with stdout on a pseudo-terminal (what it reads back: `.tty`, a list
+    of bytes filled by a thread) and stderr a pipe."""
+    main, child = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "cem_jax.cli.sample", *args], stdout=child,
+                            stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "120"})
+    os.close(child)
+    proc.tty = []
+
+    def read():
+        with contextlib.suppress(OSError):  # EIO once the child has closed it
+            while data := os.read(main, 1 << 16):
+                proc.tty.append(data)
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc
+
+
+@pytest.mark.slow  # two cem-sample processes
+def test_a_long_decode_shows_progress_and_stops_on_ctrl_c_with_what_it_decoded(make_run):
+    """On a terminal cem-sample shows a bar (stderr) while it decodes in chunks; SIGINT stops it
+    between two chunks: it prints the prompt and what it decoded, says so in one line and exits
+    130 within about a second. --no-progress shows no bar."""
+    run_dir = make_run()[0]
+    total = 200_000
+    proc = _sample_on_a_terminal(["--run", str(run_dir), "--prompt", "The king",
+                                  "--max-new-tokens", str(total), "--no-stop-at-eos"])
+    counted = re.compile(rb"\| *[1-9]\d*/" + str(total).encode())  # tqdm's bar, some done
+    seen = b""
+    while not counted.search(seen):
+        chunk = proc.stderr.read1(1 << 16)
+        assert chunk, (proc.wait(), seen)
+        seen += chunk
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    assert proc.wait(timeout=30) == 130
+    took = time.monotonic() - sent
+    err = (seen + proc.stderr.read()).decode().split("\r")[-1].splitlines()
+    [line] = [e for e in err if e.startswith("cem-sample:")]
+    decoded = int(line.split("after ")[1].split(" of")[0].replace(",", ""))
+    assert line == (f"cem-sample: stopped by SIGINT after {decoded:,} of {total:,} new tokens; "
+                    f"printed what was decoded")
+    assert 0 < decoded < total and took < 3, took
+    time.sleep(0.2)
+    text = b"".join(proc.tty).decode().replace("\r\n", "\n")
+    assert text.startswith("The king") and text.endswith("-" * 40 + "\n")
+    quiet = _sample_on_a_terminal(["--run", str(run_dir), "--prompt", "The king",
+                                   "--max-new-tokens", "8", "--no-progress"])
+    assert quiet.wait(timeout=120) == 0 and quiet.stderr.read() == b""
