@@ -174,28 +174,35 @@ def _resolve_bases(path: Path, named_by: tuple[Path, ...]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def naming_the_file(path: str | Path | None, overrides: Sequence[str] = ()) -> Iterator[None]:
-    """Within it, an unknown or invalid field read from YAML file `path` raises `ValueError`
-    naming the file of `path`'s `base:` chain that sets it (`config file 'a.yaml': unknown
-    config field ...`); a field an override sets, or none of the files, is left as it is."""
+    """Within it, an unknown or invalid field (or section) read from YAML file `path` raises
+    `ValueError` naming the file of `path`'s `base:` chain that sets it, and the chain that
+    leads there (`config file 'b.yaml' (the base of 'a.yaml'): unknown config field ...`); a
+    field an override sets, or none of the files, is left as it is."""
     try:
         yield
     except (ConfigFieldError, UnknownFieldError) as err:
-        source = None if path is None else _file_setting(Path(path), err.field, overrides)
-        if source is None:
+        chain = None if path is None else _files_to_setting(Path(path), err.field, overrides)
+        if chain is None:
             raise
-        raise ValueError(f"config file {str(source)!r}: {err}") from None
+        via = "".join(f", the base of {str(f)!r}" for f in reversed(chain[:-1]))
+        raise ValueError(f"config file {str(chain[-1])!r}{f' ({via[2:]})' if via else ''}: "
+                         f"{err}") from None
 
 
-def _file_setting(path: Path, field: str, overrides: Sequence[str]) -> Path | None:
-    """The file of `path`'s (valid) base chain whose value of `field` (`section.key`)
-    `load_yaml` keeps, or None when an override or no file sets it."""
+def _files_to_setting(path: Path, field: str, overrides: Sequence[str]) -> list[Path] | None:
+    """The files of `path`'s (valid) base chain from `path` to the one whose value of `field`
+    (`section.key`, or a top-level `section`) `load_yaml` keeps, or None when an override or
+    no file sets it."""
     section, _, key = field.partition(".")
-    if not key or any(o.partition("=")[0] == field for o in overrides):
+    if any(o.partition("=")[0] == field for o in overrides):
         return None
+    chain: list[Path] = []
     while path is not None:
+        chain.append(path)
         values = _read_yaml(path)
-        if isinstance(values.get(section), dict) and key in values[section]:
-            return path
+        if (section in values) if not key else (
+                isinstance(values.get(section), dict) and key in values[section]):
+            return chain
         path = path.parent / values[BASE_KEY] if BASE_KEY in values else None
     return None
 

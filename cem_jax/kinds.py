@@ -198,9 +198,10 @@ def _check_energy_shape(kind: Kind, cfg: ModelConfig) -> None:
                          f"{list(y.shape[:2])}")
 
 
-def _check_params(kind: Kind, cfg: ModelConfig) -> None:
-    """Raise ValueError unless each of `kind`'s parameters names one logical axis (a rule of
-    `cem_jax.sharding.LOGICAL_RULES`, or None) per dimension."""
+def check_params(kind: Kind, cfg: ModelConfig) -> None:
+    """Raise ValueError, naming the kind and the parameter, unless each of `kind`'s parameters
+    names one logical axis (a rule of `cem_jax.sharding.LOGICAL_RULES`, or None) per dimension
+    (checked where a model's layer is built, `cem_jax.layers.KindParams`, and by `check_kind`)."""
     for name, param in kind.params(cfg).items():
         unknown = [a for a in param.axes if a is not None and a not in LOGICAL_RULES]
         if unknown or len(param.axes) != len(param.shape):
@@ -217,7 +218,7 @@ def check_kind(kind: Kind, cfg: ModelConfig) -> None:
     axis (or None) per dimension, its energy must run and give one energy per token ([B,T]), at
     token t read y_t only and the context c_s of s ≤ t only (causal), and a mixer that declares
     `folds_preconditioner` must scale its update by params["out_scale"]."""
-    _check_params(kind, cfg)
+    check_params(kind, cfg)
     with jax.ensure_compile_time_eval():  # concrete even where a step is being traced
         if kind.energy is not None:
             _check_energy_shape(kind, cfg)

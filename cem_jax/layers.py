@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cem_jax.config import IMPLS, ModelConfig
-from cem_jax.kinds import Context, Kind, build_mixer, get_kind, model_kinds
+from cem_jax.kinds import Context, Kind, build_mixer, check_params, get_kind, model_kinds
 from cem_jax.kvcache import Cache, KVCache
 from cem_jax.numerics import dense, rms_norm, rms_norm_vjp
 from cem_jax.updates import Mixer
@@ -161,11 +161,13 @@ class KindParams(nnx.Module):
     """The parameters a sub-layer kind declares (`cem_jax.kinds.Kind.params`), one attribute
     each under the kind's names (so that checkpoints and exports see e.g. `mixer.query`),
     created in the kind's order: normal(0, init_std) or the kind's constant. Raises ValueError
-    for a parameter name that cannot be an attribute here."""
+    for a parameter name that cannot be an attribute here, and for one whose logical axes are
+    unknown or do not match its shape (`cem_jax.kinds.check_params`)."""
 
     def __init__(self, cfg: ModelConfig, kind: Kind, *, rngs: nnx.Rngs):
         self.kind = kind.name
         dt = jnp.dtype(cfg.param_dtype)
+        check_params(kind, cfg)
         specs = kind.params(cfg)
         self.names = tuple(specs)
         for name, spec in specs.items():

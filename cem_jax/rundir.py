@@ -69,6 +69,18 @@ def available_steps(run_dir: str) -> list[int]:
         return sorted(manager.all_steps())
 
 
+def check_run_dir(run_dir: str) -> str:
+    """`run_dir` (local: `~` expanded) when it holds a run's config.yaml; else RunDirError in
+    the words every command that reads a run uses (cem-sample, cem-eval, cem-export)."""
+    run_dir = files.local(str(run_dir))
+    config_path = files.join(run_dir, "config.yaml")
+    if not files.is_file(config_path):
+        if not files.is_dir(run_dir):
+            raise RunDirError(f"{run_dir} does not exist: give a run directory cem-train wrote")
+        raise RunDirError(f"{config_path} is missing: {run_dir} is not a run directory")
+    return run_dir
+
+
 def load_run(run_dir: str, step: int | None = None) -> Run:
     """Load config, tokenizer and the parameters of checkpoint `step` (None: the newest).
 
@@ -79,12 +91,8 @@ def load_run(run_dir: str, step: int | None = None) -> Run:
         run's tokenizer is not the one the checkpoint was trained with.
       ValueError: config.yaml is invalid, or the tokenizer has more ids than the model.
     """
-    run_dir = files.local(str(run_dir))
+    run_dir = check_run_dir(run_dir)
     config_path = files.join(run_dir, "config.yaml")
-    if not files.is_file(config_path):
-        if not files.is_dir(run_dir):
-            raise RunDirError(f"{run_dir} does not exist: give a run directory cem-train wrote")
-        raise RunDirError(f"{config_path} is missing: {run_dir} is not a run directory")
     try:
         tokenizer_path = find_tokenizer(run_dir)
     except FileNotFoundError as err:

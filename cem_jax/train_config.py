@@ -16,6 +16,7 @@ import yaml
 
 from cem_jax.config import ModelConfig
 from cem_jax.config_files import (
+    UnknownFieldError,
     apply_overrides,
     check_field_types,
     check_module_names,
@@ -305,8 +306,9 @@ def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     `ValueError`."""
     unknown = set(values) - set(SECTIONS) - set(TOP_LEVEL_KEYS)
     if unknown:
-        raise ValueError(f"unknown config section(s) {sorted(unknown)} (known: "
-                         f"{', '.join(SECTIONS)}; top-level keys: {', '.join(TOP_LEVEL_KEYS)})")
+        raise UnknownFieldError(min(unknown), f"unknown config section(s) {sorted(unknown)} "
+                                f"(known: {', '.join(SECTIONS)}; top-level keys: "
+                                f"{', '.join(TOP_LEVEL_KEYS)})")
     imports = tuple(check_module_names(values.get("imports") or []))
     import_modules(imports)  # first: the sections may name what they register
     sections = {name: {k: v for k, v in (values.get(name) or {}).items()

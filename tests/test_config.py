@@ -113,9 +113,20 @@ def test_a_bad_field_names_the_file_of_the_chain_that_sets_it(tmp_path):
     leaf.write_text("base: root.yaml\nrun: {steps: 3}\n")
     for load in (load_config, load_model_config):
         with pytest.raises(ValueError, match=re.escape(
-                f"config file '{root}': unknown config field 'nmu_layers' in section 'model'; "
-                f"did you mean 'num_layers'?")):
+                f"config file '{root}' (the base of '{leaf}'): unknown config field "
+                f"'nmu_layers' in section 'model'; did you mean 'num_layers'?")):
             load(leaf, [])
+    top = tmp_path / "top.yaml"  # two steps up the chain, and a section nobody knows
+    top.write_text("base: leaf.yaml\n")
+    with pytest.raises(ValueError, match=re.escape(
+            f"config file '{root}' (the base of '{leaf}', the base of '{top}'): unknown config "
+            f"field 'nmu_layers'")):
+        load_config(top, [])
+    root.write_text("modle: {num_layers: 2}\n")
+    with pytest.raises(ValueError, match=re.escape(
+            f"config file '{root}' (the base of '{leaf}', the base of '{top}'): unknown config "
+            f"section(s) ['modle']")):
+        load_config(top, [])
     root.write_text("model: {num_layers: 0}\n")
     leaf.write_text("base: root.yaml\nmodel: {num_layers: -1}\n")
     with pytest.raises(ValueError, match=re.escape(

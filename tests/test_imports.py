@@ -91,3 +91,23 @@ def test_a_command_refuses_a_missing_file_before_it_imports_jax(tmp_path, comman
                             text=True, timeout=120)
     assert json.loads(result.stdout.splitlines()[-1]) == [2, []], result.stdout
     assert result.stderr == error.format(missing) + "\n"
+
+
+@pytest.mark.parametrize("entry,argv,said", [
+    ("cem_jax.cli.study:main", ["nothere.yaml"],
+     "cem-study: error: nothere.yaml does not exist: give the study's YAML file"),
+    ("cem_jax.cli.train:main", ["--config", "nothere.yaml"],
+     "cem-train: configuration error: config file 'nothere.yaml' does not exist"),
+])
+def test_a_missing_file_is_answered_before_the_heavy_libraries_load(entry, argv, said):
+    """A command given a file that does not exist says so (status 2) without importing JAX,
+    scipy or the other heavy libraries (seconds of start-up on a loaded machine)."""
+    module, function = entry.split(":")
+    code = (f"import json, sys\nfrom {module} import {function}\n"
+            f"status = {function}({argv!r})\n"
+            f"print(json.dumps([status, sorted(m for m in sys.modules "
+            f"if m.split('.')[0] in {HEAVY!r})]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.stderr.startswith(said), result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == [2, []]

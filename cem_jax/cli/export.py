@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from cem_jax.data import find_tokenizer
     from cem_jax.export import hf, hf_llama, safetensors_io
     from cem_jax.export.output import ExportError, check_destination
-    from cem_jax.rundir import load_run, quiet_checkpoint_logs
+    from cem_jax.rundir import check_run_dir, load_run, quiet_checkpoint_logs
 
     quiet_checkpoint_logs()
     writers = {"safetensors": (safetensors_io.export_safetensors, safetensors_io.files),
@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "hf": (hf.export_hf, hf.files)}
     write, files = writers[args.format]
     try:
+        check_run_dir(args.run)  # in the words of cem-sample and cem-eval
         check_destination(args.out, args.overwrite, args.run,  # before the slow restore
                           files(os.path.basename(find_tokenizer(args.run))))
         run = load_run(args.run, args.step)

@@ -33,8 +33,6 @@ from pathlib import Path
 
 import yaml
 
-from cem_jax.stats import seeds_for_equivalence
-
 
 @dataclasses.dataclass(frozen=True, order=True)
 class RunKey:
@@ -103,6 +101,8 @@ class Study:
     def seeds(self) -> int:
         """Seeds per config: the TOST power calculation for `margin` at `planning_sd` and a
         true difference `assumed_delta`, at least `min_seeds`."""
+        from cem_jax.stats import seeds_for_equivalence  # scipy: not for a bad study file
+
         return max(self.min_seeds, seeds_for_equivalence(
             self.margin, self.planning_sd, self.alpha, self.power, self.assumed_delta))
 

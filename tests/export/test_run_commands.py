@@ -147,14 +147,22 @@ def test_steps_must_be_a_positive_integer(main, capsys):
 @pytest.mark.parametrize("main", [cli_evaluate.main, cli_sample.main, cli.main],
                          ids=["cem-eval", "cem-sample", "cem-export"])
 def test_a_missing_run_directory_is_one_line_and_status_2(main, tmp_path, capsys):
-    """A run directory that is not one is the user's to fix (2), not a crash to retry (1)."""
-    args = ["--run", str(tmp_path / "nope")]
-    if main is cli.main:
-        args += ["--format", "safetensors", "--out", str(tmp_path / "out")]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and str(tmp_path / "nope") in err, err
-    assert not (tmp_path / "out").exists()
+    """A run directory that is missing or is not one is the user's to fix (2), not a crash to
+    retry (1), and cem-sample, cem-eval and cem-export say so in the same words."""
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a run")
+    name = {cli_sample.main: "cem-sample", cli_evaluate.main: "cem-eval", cli.main: "cem-export"}
+    for run, said in (
+            (tmp_path / "nope", f"{tmp_path / 'nope'} does not exist: give a run directory "
+                                f"cem-train wrote"),
+            (tmp_path / "other", f"{tmp_path / 'other' / 'config.yaml'} is missing: "
+                                 f"{tmp_path / 'other'} is not a run directory")):
+        args = ["--run", str(run)]
+        if main is cli.main:
+            args += ["--format", "safetensors", "--out", str(tmp_path / "out")]
+        assert main(args) == 2
+        assert capsys.readouterr().err == f"{name[main]}: error: {said}\n"
+        assert not (tmp_path / "out").exists()
 
 
 def test_cem_export_every_format(make_run, tmp_path):

@@ -26,7 +26,7 @@ from train_helpers import REPO, run_cli, train_losses
 from cem_jax.config import ModelConfig
 from cem_jax.kinds import Context, Kind, Param, check_kind, get_kind, register_kind
 from cem_jax.layers import SubLayer
-from cem_jax.model import init_cache
+from cem_jax.model import CEMTransformer, init_cache
 from cem_jax.numerics import rms_norm
 from cem_jax.train import load_config, train
 from cem_jax.updates import Mixer
@@ -228,6 +228,13 @@ def test_cem_train_refuses_a_kind_that_peeks_ahead_or_drops_a_folded_p():
                 f"{axes}; give one per dimension, each one of embed, vocab,")):
             check_kind(Kind("odd_axes", "mlp", lambda cfg, a=axes: {"w": Param((16,), a)},
                             plain), cfg)
+    register_kind(Kind("odd_axes", "mlp", lambda cfg: {"w": Param((16,), ("embedding",))},
+                       plain), replace=True)  # a notebook builds the model: the same words
+    with pytest.raises(ValueError, match=re.escape(
+            "sub-layer kind 'odd_axes': parameter 'w' of shape (16,) names logical axes "
+            "('embedding',)")):
+        nnx.eval_shape(lambda: CEMTransformer(dataclasses.replace(cfg, mlp_kind="odd_axes"),
+                                              rngs=nnx.Rngs(0)))
     check_kind(get_kind("logcosh_pull"), cfg)  # the plugin's kind passes
     for name in ("cem_attention", "cem_dplr_attention", "cem_mlp", "swiglu"):
         check_kind(get_kind(name), dataclasses.replace(cfg, num_heads=2))  # and the built-ins
