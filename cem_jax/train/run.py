@@ -382,6 +382,7 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
             lambda params: _validate(cfg, trainer, params, tokenizer, mesh), writer)
         loop.add_hook(validate, run.eval_every, reads="state")
     watch = watchdog.SaveWatch(checkpointer.manager.is_saving_in_progress, run.save_timeout_s)
+    closing.callback(watch.close)  # before the checkpointer's close
 
     def save(step: int, state: dict) -> None:
         checkpointer.save(step, state, cfg.to_dict(), tokenizer)

@@ -151,6 +151,15 @@ class SaveWatch:
         self._watching = (thread, done)
         thread.start()
 
+    def close(self) -> None:
+        """Stop watching (the run's end: no thread may still call into orbax as the process
+        exits)."""
+        if self._watching is not None:
+            thread, done = self._watching
+            done.set()
+            thread.join()
+            self._watching = None
+
     def bound(self) -> float:
         return max(self.timeout_s, 3 * self.longest)
 

@@ -296,7 +296,8 @@ def test_a_storage_failure_is_one_line_and_status_1_in_the_other_commands(
         raise failure
 
     monkeypatch.setattr(cem_jax.rundir, "load_run", fail)
-    monkeypatch.setattr(cem_jax.data, "find_tokenizer", fail)  # cem-export's first read
+    monkeypatch.setattr(cem_jax.rundir, "check_run_dir", fail)  # cem-export's first read
+    monkeypatch.setattr(cem_jax.data, "find_tokenizer", fail)
     absl = logging.getLogger("absl")
     monkeypatch.setattr(absl, "level", absl.level)  # the commands quieten it
     main, extra = {"cem-eval": (evaluate.main, []), "cem-sample": (sample.main, []),

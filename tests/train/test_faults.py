@@ -29,7 +29,7 @@ STEPS = 30
 HEARTBEAT_S = 10  # mesh.heartbeat_timeout_s: short, so that no test waits long
 BOUND_S = HEARTBEAT_S + 20  # every survivor ends within this long of the fault
 SETTINGS = [f"run.steps={STEPS}", "run.checkpoint_every=5", "run.eval_every=10",
-            "run.sample_tokens=0", "run.save_timeout_s=10", "imports=[faults]",
+            "run.sample_tokens=0", "run.save_timeout_s=30", "imports=[faults]",
             f"mesh.heartbeat_timeout_s={HEARTBEAT_S}", "mesh.shutdown_timeout_s=10"]
 
 
@@ -180,8 +180,10 @@ def test_a_stalled_host_ends_the_others_and_itself_when_it_goes_on(straight, tin
     _wait_for_line(procs[0], "step 12:")
     os.kill(child, signal.SIGSTOP)
     [(status, err, _)] = _ends([procs[0]], time.monotonic())
-    assert status == 75 and len(err) == 1, err  # JAX's heartbeat names the silent process:
-    assert err[0].startswith("cem-train: process 0 of 2 lost process 1 during train step "), err
+    assert status == 75 and len(err) == 1, err  # JAX's heartbeat names the silent process,
+    assert err[0].startswith((  # or a save it never commits is abandoned first
+        "cem-train: process 0 of 2 lost process 1 during train step ",
+        "cem-train: process 0 of 2 abandoned the checkpoint save of step ")), err
     os.kill(child, signal.SIGCONT)
     [(status, err, seconds)] = _ends([procs[1]], time.monotonic())
     assert status == 75 and len(err) == 1 and err[0].startswith("cem-train: process 1 of 2 "), err
