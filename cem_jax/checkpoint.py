@@ -189,6 +189,11 @@ class Checkpointer:
         """The newest complete checkpoint's step, or None."""
         return self.manager.latest_step()
 
+    def is_complete(self, step: int) -> bool:
+        """Whether step `step` is a complete checkpoint on its storage now (as
+        `complete_steps` reads them)."""
+        return _complete(files.join(str(self.directory), str(step)))
+
     def save(self, step: int, state: dict, config: dict[str, Any], tokenizer: Tokenizer
              ) -> None:
         """Start saving step `step` (returns before the arrays are written; see `wait`).

@@ -381,12 +381,12 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
         validate = hooks.Validate(
             lambda params: _validate(cfg, trainer, params, tokenizer, mesh), writer)
         loop.add_hook(validate, run.eval_every, reads="state")
-    watch = watchdog.SaveWatch(checkpointer.manager.is_saving_in_progress, run.save_timeout_s)
-    closing.callback(watch.close)  # before the checkpointer's close
+    watch = watchdog.SaveWatch(checkpointer.manager.is_saving_in_progress,
+                               checkpointer.is_complete, run.save_timeout_s)
+    closing.callback(watch.wait)  # before the checkpointer's close
 
     def save(step: int, state: dict) -> None:
-        checkpointer.save(step, state, cfg.to_dict(), tokenizer)
-        watch.started(step)
+        watch.save(step, lambda: checkpointer.save(step, state, cfg.to_dict(), tokenizer))
 
     loop.add_hook(hooks.SaveCheckpoint(save, writer), run.checkpoint_every, reads="state",
                   at_last=True)

@@ -131,46 +131,46 @@ class SaveWatch:
     """Abandon a checkpoint save that does not finish within its bound: `timeout_s`, or three
     times the longest save that finished before it, whichever is longer (a large model's save
     to a bucket may take minutes; a dead storage's retries take longer). `in_progress()` says
-    whether the newest save is still being written (orbax's `is_saving_in_progress`)."""
+    whether the newest save is still being written (orbax's `is_saving_in_progress`);
+    `complete(step)` whether step `step` is a complete checkpoint now (a save that ended is not
+    one when it failed: orbax ends a save whose write or peer failed as it ends one that
+    succeeded). Only a complete one is told to the supervisor as the checkpoint to resume."""
 
-    def __init__(self, in_progress: Callable[[], bool], timeout_s: float, poll_s: float = 0.25):
-        self.in_progress, self.timeout_s, self.poll_s = in_progress, timeout_s, poll_s
+    def __init__(self, in_progress: Callable[[], bool], complete: Callable[[int], bool],
+                 timeout_s: float, poll_s: float = 0.25):
+        self.in_progress, self.complete = in_progress, complete
+        self.timeout_s, self.poll_s = timeout_s, poll_s
         self.longest = 0.0
-        self._watching: tuple[threading.Thread, threading.Event] | None = None
+        self._watching: threading.Thread | None = None
 
-    def started(self, step: int) -> None:
-        """A save of step `step` has started: the one before it has finished (orbax waits for
-        it before it starts the next)."""
-        if self._watching is not None:
-            thread, done = self._watching
-            done.set()
-            thread.join()
-        done = threading.Event()
-        thread = threading.Thread(target=self._watch, args=(step, time.monotonic(), done),
-                                  name=f"cem_jax save watch {step}", daemon=True)
-        self._watching = (thread, done)
-        thread.start()
+    def save(self, step: int, write: Callable[[], None]) -> None:
+        """Start the save of step `step` with `write()` (which returns while it is written) and
+        watch it. The previous save finishes first, under its bound (orbax would wait for it in
+        `write` too, unwatched)."""
+        self.wait()
+        start = time.monotonic()
+        write()
+        self._watching = threading.Thread(target=self._watch, args=(step, start),
+                                          name=f"cem_jax save watch {step}", daemon=True)
+        self._watching.start()
 
-    def close(self) -> None:
-        """Stop watching (the run's end: no thread may still call into orbax as the process
-        exits)."""
+    def wait(self) -> None:
+        """Return when the save watched has ended (the process leaves at its bound); call it
+        before the run ends, so that no thread still calls into orbax as the process exits."""
         if self._watching is not None:
-            thread, done = self._watching
-            done.set()
-            thread.join()
+            self._watching.join()
             self._watching = None
 
     def bound(self) -> float:
         return max(self.timeout_s, 3 * self.longest)
 
-    def _watch(self, step: int, start: float, done: threading.Event) -> None:
-        while not done.is_set():
-            if not self.in_progress():
-                self.longest = max(self.longest, time.monotonic() - start)
-                break
+    def _watch(self, step: int, start: float) -> None:
+        while self.in_progress():
             if (waited := time.monotonic() - start) > self.bound():
                 leave(f"abandoned the checkpoint save of step {step}, unfinished after "
                       f"{waited:.0f} s (run.save_timeout_s; its storage unreachable, or a "
                       f"peer lost)")
-            done.wait(self.poll_s)
-        saved(step)
+            time.sleep(self.poll_s)
+        if self.complete(step):
+            self.longest = max(self.longest, time.monotonic() - start)
+            saved(step)
