@@ -26,6 +26,7 @@ import numpy as np
 from cem_jax.checkpoint import Checkpointer
 from cem_jax.data import build_tokenizer, load_tokens, make_train_iterator
 from cem_jax.sharding import global_batch, make_mesh
+from cem_jax.train.goodput import Ledger
 from cem_jax.train.metrics import MetricsWriter
 from cem_jax.train.run import make_loop
 from cem_jax.train.step import Trainer
@@ -82,7 +83,7 @@ def main():
                                                 "run.checkpoint_every=1000000",
                                                 "run.progress=false"])
             loop = make_loop(segment, trainer, state, iterator, tokenizer, checkpointer, writer,
-                             mesh, step, closing)
+                             Ledger([], step), mesh, step, closing)
             arrived: list[float] = []  # when each step's metrics reached the host
             loop.add_hook(lambda info, arrived=arrived: arrived.append(time.perf_counter()))
             start = time.perf_counter()

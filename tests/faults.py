@@ -104,10 +104,10 @@ def kill_at_phase(prefix: str) -> None:
     """SIGKILL this process as it enters a phase whose name starts with `prefix`."""
     enter = watchdog.enter
 
-    def enter_or_die(phase: str) -> None:
+    def enter_or_die(phase: str, kind: str) -> None:
         if phase.startswith(prefix):
             os.kill(os.getpid(), signal.SIGKILL)
-        enter(phase)
+        enter(phase, kind)
 
     watchdog.enter = enter_or_die
 

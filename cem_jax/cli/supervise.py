@@ -17,11 +17,11 @@ lines of C++ log and stack on stderr) and cannot be told otherwise from Python. 
   child dies with the supervisor (Linux's PR_SET_PDEATHSIG);
 - reads what the child does from a pipe (`cem_jax.train.watchdog`: its process index, its
   phase, its newest complete checkpoint);
-- ends with the child's status, unless the child died of a signal: after a fault of the
-  coordination service's, one line "process 1 of 2 lost process 0 (the coordinator) during
-  train step 16; the newest complete checkpoint is step 10: relaunch to resume from it" and the
-  retryable status 75; after any other signal (the child alone killed, a segmentation fault),
-  "crashed", status 1.
+- ends with the child's status (after a crash, with what was diverted passed on), unless the
+  child died of a signal: after a fault of the coordination service's, one line "process 1 of
+  2 lost process 0 (the coordinator) during train step 16; the newest complete checkpoint is
+  step 10: relaunch to resume from it" and the retryable status 75; after any other signal
+  (the child alone killed, a segmentation fault), "crashed", status 1.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def supervise(argv: Sequence[str]) -> int:
     """Run `python -m cem_jax.cli.train ARGV` as the training child and return cem-train's exit
     status (the module docstring)."""
     read_end, write_end = os.pipe()
-    env = {**os.environ, WORKER: "1", watchdog.PHASE_FD: str(write_end)}
+    env = {**os.environ, WORKER: "1", watchdog.PHASE_FD: str(write_end),
+           watchdog.LAUNCHED: repr(time.time())}
     child = subprocess.Popen([sys.executable, "-m", "cem_jax.cli.train", *argv], env=env,
                              stderr=subprocess.PIPE, pass_fds=(write_end,), process_group=0,
                              preexec_fn=_die_with_parent)
@@ -84,7 +85,20 @@ def supervise(argv: Sequence[str]) -> int:
         status = child.wait()
     for thread in threads:
         thread.join(timeout=5)
-    return status if status >= 0 else _died(signal.Signals(-status), state)
+    return _ended(status, state)
+
+
+def _ended(status: int, state: _Child) -> int:
+    """cem-train's status for a child that ended with `status` (Popen's: -N for signal N). A
+    child that left with a status of its own after a fault showed printed its own last line;
+    when that says it crashed (a status other than 0 and 75), what was diverted (its
+    traceback among the C++ echo) is passed on: nothing of a crash is hidden."""
+    if status < 0:
+        return _died(signal.Signals(-status), state)
+    if state.diverted and status not in (ExitStatus.FINISHED, ExitStatus.STOPPED):
+        sys.stderr.writelines(state.diverted)
+        sys.stderr.flush()
+    return status
 
 
 def _die_with_parent() -> None:

@@ -140,7 +140,7 @@ def read_metrics(run_dir: str, cfg: TrainConfig) -> dict:
     median tokens/s of the training log windows after the first tenth of the steps."""
     by_kind = {"train": {}, "eval": {}}
     for r in logged_records(run_dir):  # a step logged again after a resume keeps its last
-        by_kind[r["kind"]][r["step"]] = r
+        by_kind.setdefault(r["kind"], {})[r["step"]] = r
     evals = sorted(by_kind["eval"].items())
     speeds = [r["tokens_per_s"] for step, r in by_kind["train"].items()
               if step > cfg.run.steps / 10 and "tokens_per_s" in r]

@@ -3,9 +3,10 @@ speed meter, metric records, validation, checkpoints, stopping on a signal or a 
 profiles.
 
 Each is a callable `hook(info)` registered with `TrainLoop.add_hook`; `cem_jax.train.run` wires
-them up in this order: metrics hooks `Progress` (every step) and `LogMetrics` (`run.log_every`);
-state hooks `StopOnSignal` (every step), `Validate` (`run.eval_every`),
-`SaveCheckpoint` (`run.checkpoint_every` and the last step) and `Profile` (every step).
+them up in this order: metrics hooks `Progress` (every step), `LogMetrics` and `LogGoodput`
+(`run.log_every`); state hooks `StopOnSignal` (every step), `Validate` (`run.eval_every`),
+`LogGoodput` and `SaveCheckpoint` (`run.checkpoint_every` and the last step) and `Profile`
+(every step).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from cem_jax.data import files
 from cem_jax.evaluate import describe
 from cem_jax.exits import StoppedBySignal
 from cem_jax.train import watchdog
+from cem_jax.train.goodput import Ledger
 from cem_jax.train.loop import StepInfo
 from cem_jax.train.metrics import MetricsWriter
 from cem_jax.train_config import RunConfig
@@ -97,6 +99,25 @@ class LogMetrics:
         self.progress.reset()
 
 
+class LogGoodput:
+    """A "goodput" record of the run so far (`cem_jax.train.goodput.Ledger`): a metrics hook
+    every `run.log_every` steps, and a state hook at each checkpoint, before it (which first
+    finishes its step): the record of a checkpoint's step is what a later launch resumed from
+    it reads as the time its steps kept."""
+
+    def __init__(self, writer: MetricsWriter, ledger: Ledger):
+        self.writer, self.ledger = writer, ledger
+        self.recorded = -1  # the step of the last record: one per step
+
+    def __call__(self, info: StepInfo) -> None:
+        if info.step == self.recorded:
+            return
+        if info.state is not None:
+            info.finish()
+        self.writer.write(info.step, "goodput", self.ledger.record(info.step))
+        self.recorded = info.step
+
+
 class Validate:
     """Validation of the step's parameters (a state hook, which first finishes its step),
     logged as an "eval" record; none at the last step (the run evaluates after its loop). A
@@ -110,7 +131,7 @@ class Validate:
         if info.last:
             return
         info.finish()
-        watchdog.enter(f"the evaluation at step {info.step}")
+        watchdog.enter(f"the evaluation at step {info.step}", "evaluation")
         try:
             result = self.validate(info.state["params"])
         except StoppedBySignal:
@@ -131,9 +152,10 @@ class SaveCheckpoint:
 
     def __call__(self, info: StepInfo) -> None:
         info.finish()
-        watchdog.enter(f"the metrics flush before the checkpoint of step {info.step}")
+        watchdog.enter(f"the metrics flush before the checkpoint of step {info.step}",
+                       "checkpoint")
         self.writer.flush()
-        watchdog.enter(f"the start of the checkpoint save of step {info.step}")
+        watchdog.enter(f"the start of the checkpoint save of step {info.step}", "checkpoint")
         self.save(info.step, info.state)
 
 

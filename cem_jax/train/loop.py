@@ -143,8 +143,11 @@ class TrainLoop:
         pending: StepInfo | None = None
         first = self.step + 1
         while self.step < self.last_step:
-            watchdog.enter(f"train step {self.step + 1}" if self.step + 1 > first else
-                           f"train step {first} (the first of this start: its compilation)")
+            if self.step + 1 > first:
+                watchdog.enter(f"train step {self.step + 1}", "step")
+            else:
+                watchdog.enter(f"train step {first} (the first of this start: its compilation)",
+                               "compile")
             self._charged = self.train_clock()
             with jax.profiler.StepTraceAnnotation("train", step_num=self.step + 1):
                 self.state, metrics = self.step_fn(self.state, next(self.batches))

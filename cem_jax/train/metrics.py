@@ -123,7 +123,8 @@ class MetricsWriter:
 
     A run resumed from step N (`resume_step`; 0 for a new run) trains steps N+1, ... (again):
     the records of those steps that a killed process had logged are dropped from
-    metrics.jsonl (rewritten atomically), and the new event file opens with TensorBoard's
+    metrics.jsonl (rewritten atomically; its "goodput" records are kept: `cem_jax.train.goodput`
+    reads every launch's), and the new event file opens with TensorBoard's
     purge of steps > N (a `SessionLog.START` event at step N+1, as `SummaryWriter(purge_step=)`
     writes; TensorBoard applies it to the older files), so each step is shown once. W&B keeps
     them (see `open_wandb_run`)."""
@@ -143,7 +144,8 @@ class MetricsWriter:
             self.path = files.join(run_dir, "metrics.jsonl")
             lines = files.read_bytes(self.path).splitlines(keepends=True) \
                 if files.is_file(self.path) else []
-            self.lines = [line for line in lines if _logged_by(line, resume_step)]
+            self.lines = [line for line in lines if _logged_by(line, resume_step)
+                          or _kind(line) == "goodput"]
             if self.lines != lines:
                 files.write_bytes(self.path, b"".join(self.lines))
             self.unflushed = False
@@ -151,9 +153,15 @@ class MetricsWriter:
             if not self.remote:
                 self.jsonl = open(self.path, "ab")  # noqa: SIM115
 
+    def logged(self, kind: str) -> list[dict]:
+        """The records of `kind` in metrics.jsonl, in order (process 0; [] on the others)."""
+        if not self.active:
+            return []
+        return [json.loads(line) for line in self.lines if _kind(line) == kind]
+
     def write(self, step: int, kind: str, values: dict[str, float]) -> None:
-        """One record {"step", "kind" ("train"/"eval"), "time", **values}; TensorBoard tags
-        and W&B keys are `kind/name`."""
+        """One record {"step", "kind" ("train"/"eval"/"goodput"), "time", **values};
+        TensorBoard tags and W&B keys are `kind/name`."""
         if not self.active:
             return
         record = {"step": step, "kind": kind, "time": time.time(),
@@ -301,6 +309,14 @@ def logged_values(run_dir: str | Path, step: int, kind: str) -> dict[str, float]
     found = [r for r in logged_records(run_dir) if r["step"] == step and r.get("kind") == kind]
     return {k: v for k, v in found[-1].items() if k not in ("step", "kind", "time")} \
         if found else None
+
+
+def _kind(line: bytes) -> str | None:
+    """The kind of a whole metrics.jsonl record (None for a torn line)."""
+    try:
+        return json.loads(line).get("kind")
+    except (ValueError, AttributeError):
+        return None
 
 
 def _logged_by(line: bytes, step: float) -> bool:

@@ -60,6 +60,7 @@ from cem_jax.optim import check_trainable
 from cem_jax.sample import SamplingConfig, generate
 from cem_jax.sharding import global_batch, make_mesh, replicated
 from cem_jax.train import hooks, watchdog
+from cem_jax.train.goodput import Ledger
 from cem_jax.train.lock import run_dir_lock
 from cem_jax.train.loop import TrainingDiverged, TrainLoop
 from cem_jax.train.metrics import (
@@ -289,8 +290,9 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
         result = _validate(cfg, trainer, state["params"], tokenizer, mesh)
         writer.write(first, "eval", result)
         logger.info("step %d: validation %s", first, describe(result))
-    loop = make_loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer, mesh,
-                     first, closing)
+    ledger = Ledger(writer.logged("goodput"), first)
+    loop = make_loop(cfg, trainer, state, iterator, tokenizer, checkpointer, writer, ledger,
+                     mesh, first, closing)
     for hook in hooks:
         hook(Setup(cfg, loop, checkpointer))
     exits.check()  # the last safe point before the first step
@@ -310,11 +312,11 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
     if stopped:
         raise _stopped_at(StoppedBySignal(exits.received() or signal.SIGTERM), step, first,
                           checkpointer)
-    watchdog.enter(f"the wait for the checkpoint of step {step}")
+    watchdog.enter(f"the wait for the checkpoint of step {step}", "checkpoint")
     checkpointer.wait()
     summary = {"step": step, "eval": {}, "sample": "", "state": state}
     if cfg.data.has_validation:
-        watchdog.enter(f"the final evaluation at step {step}")
+        watchdog.enter(f"the final evaluation at step {step}", "evaluation")
         try:
             summary["eval"] = _validate(cfg, trainer, state["params"], tokenizer, mesh)
         except StoppedBySignal as stop:
@@ -322,6 +324,9 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, state: dict, iterator,
                           f"in {checkpointer.directory}: start it again to validate") from None
         writer.write(step, "eval", summary["eval"])
         logger.info("validation after %d steps: %s", step, describe(summary["eval"]))
+    writer.write(step, "goodput", ledger.record(step, ended=True))
+    summary["goodput"] = ledger.run
+    logger.info("%s", ledger.run.describe())
     return summary
 
 
@@ -353,12 +358,12 @@ def _stopped_at(stop: StoppedBySignal, step: int, first: int,
 
 
 def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokenizer: Tokenizer,
-              checkpointer: Checkpointer, writer: MetricsWriter, mesh: jax.sharding.Mesh,
-              first: int, closing: contextlib.ExitStack) -> TrainLoop:
+              checkpointer: Checkpointer, writer: MetricsWriter, ledger: Ledger,
+              mesh: jax.sharding.Mesh, first: int, closing: contextlib.ExitStack) -> TrainLoop:
     """cem-train's step loop from step `first` to `run.steps`, with its hooks
-    (`cem_jax.train.hooks`); `closing` gets what must be closed after it (the bar, and the
-    signal handlers of `cem_jax.exits` unless the caller has them already). Also what
-    `benchmarks/loop.py` times."""
+    (`cem_jax.train.hooks`; `ledger` for their goodput records); `closing` gets what must be
+    closed after it (the bar, and the signal handlers of `cem_jax.exits` unless the caller has
+    them already). Also what `benchmarks/loop.py` times."""
     run = cfg.run
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak, peak_source = peak_flops(run.peak_flops)
@@ -374,6 +379,8 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
     loop.add_hook(progress)
     loop.add_hook(hooks.LogMetrics(writer, progress, flops, peak), run.log_every,
                   at_last=True)
+    log_goodput = hooks.LogGoodput(writer, ledger)
+    loop.add_hook(log_goodput, run.log_every)
     closing.enter_context(exits.caught())  # cem-train's own, or this loop's while it runs
     loop.add_hook(hooks.StopOnSignal(agree_every=run.log_every, first_step=first),
                   reads="state")
@@ -388,6 +395,7 @@ def make_loop(cfg: TrainConfig, trainer: Trainer, state: dict, iterator, tokeniz
     def save(step: int, state: dict) -> None:
         watch.save(step, lambda: checkpointer.save(step, state, cfg.to_dict(), tokenizer))
 
+    loop.add_hook(log_goodput, run.checkpoint_every, reads="state", at_last=True)
     loop.add_hook(hooks.SaveCheckpoint(save, writer), run.checkpoint_every, reads="state",
                   at_last=True)
     profile = hooks.Profile(run, first)  # a window from step first + 1 on starts now

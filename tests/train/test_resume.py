@@ -65,15 +65,17 @@ def tensorboard_scalars(run_dir) -> dict[tuple[str, int], float]:
             if event.session_log.status == SessionLog.START:
                 shown = [s for s in shown if s[1] < event.step]
             shown += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    shown = [s for s in shown if not s[0].startswith("goodput/")]
     keys = [(tag, step) for tag, step, _ in shown]
     assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
     return {(tag, step): value for tag, step, value in shown}
 
 
 def logged_scalars(run_dir) -> dict[tuple[str, int], float]:
-    """metrics.jsonl as {("kind/name", step): value rounded to float32} (TensorBoard's
-    precision); AssertionError if a (kind, step) is logged twice."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl's train and eval records as {("kind/name", step): value rounded to
+    float32} (TensorBoard's precision); AssertionError if a (kind, step) is logged twice."""
+    records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+               if r["kind"] != "goodput"]  # every launch's: test_resume_after_signal_is_exact
     kinds = [(r["kind"], r["step"]) for r in records]
     assert len(kinds) == len(set(kinds)), kinds
     return {(f"{r['kind']}/{k}", r["step"]): float(np.float32(v))
@@ -81,10 +83,10 @@ def logged_scalars(run_dir) -> dict[tuple[str, int], float]:
 
 
 def logged(run_dir) -> list[tuple[str, int, dict[str, float]]]:
-    """metrics.jsonl's records in order as (kind, step, values), without the ones that differ
-    between two runs of the same steps (time, tokens/s, MFU)."""
+    """metrics.jsonl's train and eval records in order as (kind, step, values), without the
+    values that differ between two runs of the same steps (time, tokens/s, MFU)."""
     return [(r["kind"], r["step"], {k: v for k, v in r.items() if k not in VARYING})
-            for r in logged_records(run_dir)]
+            for r in logged_records(run_dir) if r["kind"] != "goodput"]
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +135,22 @@ def test_resume_after_signal_is_exact(straight, tiny_overrides, tmp_path, sig, r
     assert shown == logged_scalars(tmp_path)
     assert sorted(step for tag, step in shown if tag == "train/loss") == \
         list(range(1, STEPS + 1))
+    # Goodput counts both launches: the steps the first took after step `resumed_from` were
+    # taken again, and its time from its last record to the relaunch was lost.
+    records = [r for r in logged_records(tmp_path) if r["kind"] == "goodput"]
+    [killed, relaunched] = sorted({r["launch"] for r in records})
+    last_killed = [r for r in records if r["launch"] == killed][-1]
+    kept = [r for r in records if r["launch"] == killed and r["step"] <= resumed_from][-1]
+    final = records[-1]
+    assert final["ended"] == 1 and final["launch"] == relaunched and final["launches"] == 2
+    assert final["first_step"] == resumed_from and final["step"] == STEPS
+    assert final["steps_recomputed"] == last_killed["step"] - resumed_from
+    assert final["recompute_s"] == pytest.approx(last_killed["step_s"] - kept["step_s"])
+    assert final["fault_s"] == pytest.approx(relaunched - last_killed["time"], abs=0.01) > 0
+    assert final["wall_s"] == pytest.approx(final["time"] - killed, abs=0.01)
+    productive = last_killed["step_s"] + final["step_s"] - final["recompute_s"]
+    assert final["goodput"] == pytest.approx(productive / final["wall_s"])
+    assert f"goodput {final['goodput']:.1%} of " in second.stdout
 
 
 @pytest.mark.slow  # ~40 s: three runs

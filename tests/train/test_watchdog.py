@@ -39,7 +39,7 @@ def test_a_save_that_ended_incomplete_is_not_the_checkpoint_to_resume_from():
 
 def test_a_save_that_never_finishes_ends_the_process_in_one_line_status_75():
     code = ("import time; from cem_jax.train import watchdog; watchdog.started(1, 2); "
-            "watchdog.saved(20); watchdog.enter('train step 31'); "
+            "watchdog.saved(20); watchdog.enter('train step 31', 'step'); "
             "watchdog.SaveWatch(lambda: True, bool, timeout_s=0.5).save(30, lambda: None); "
             "time.sleep(30)")
     start = time.monotonic()
