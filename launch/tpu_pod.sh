@@ -109,6 +109,8 @@ LOCK_LEASE=${LOCK_LEASE:-120}  # cem_jax.train.lock.LEASE_S
 DRY_RUN=${DRY_RUN:-0}
 GCLOUD=${GCLOUD:-gcloud}
 SOURCE_DIR=${SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+# shellcheck source=statuses.sh source-path=SCRIPTDIR
+source "$(dirname "${BASH_SOURCE[0]}")/statuses.sh"
 CREATE_FLAGS=()
 TRAIN_ENV=()
 OVERRIDES=()
@@ -425,23 +427,6 @@ attempt() {
   [[ -z $out ]] || printf '%s\n' "$out" >&2
   [[ $rc != 0 ]] || return 0
   combined_status "$(grep -oE 'cem-launch-exit=[0-9]+' <<<"$out" | cut -d= -f2 || true)"
-}
-
-# combined_status CODES: the status of a run from its trainers' exit statuses (one a line):
-# 3 or 2 (diverged, cannot run as configured: every worker would do it again) first, then a
-# crash or a kill (1, 137, ...: the run failed), then 75 (stopped by a signal; workers that
-# finished meanwhile, 0, finish again at once when it runs again); none reported (ssh or
-# gcloud failed) is 255.
-combined_status() {
-  local code
-  for code in 3 2; do
-    if grep -qx "$code" <<<"$1"; then return "$code"; fi
-  done
-  for code in $1; do
-    [[ $code == 0 || $code == 75 ]] || return "$code"
-  done
-  if grep -qx 75 <<<"$1"; then return 75; fi
-  return 255
 }
 
 restarts=0

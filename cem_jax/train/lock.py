@@ -8,7 +8,8 @@ that every emulator serves, so there the lock is a numbered object `run_dir/.loc
 - a launcher that finds none creates `.lock.1`, only if no object is there
   (`files.create_new`: a generation precondition, so of two launchers exactly one gets it);
 - the holder (process 0) refreshes it every `REFRESH_S` seconds from a thread, and deletes it
-  when the run ends (finished, failed or stopped by a signal), giving that `RELEASE_S` at most:
+  when the run ends (finished, failed, stopped by a signal, or left at once for a lost peer or
+  an abandoned save: `cem_jax.train.watchdog.leave`), giving that `RELEASE_S` at most:
   a bucket that cannot be reached (the run failing for that) leaves the lock behind rather
   than holding the exit up for gcsfs's retries;
 - one not refreshed for `LEASE_S` seconds is a dead holder's (a slice deleted without its
@@ -40,6 +41,7 @@ from pathlib import Path
 
 from cem_jax.data import files
 from cem_jax.fileio import LockHeld, held_lock
+from cem_jax.train import watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +98,11 @@ def _bucket_lock(run_dir: str) -> Iterator[None]:
     refresher = threading.Thread(target=_refresh, args=(run_dir, path, holder, stop),
                                  daemon=True, name="cem-train run.dir lock")
     refresher.start()
+    cancel = watchdog.on_leave(lambda: _release(path, RELEASE_S))  # a lost peer's fast exit
     try:
         yield
     finally:
+        cancel()
         stop.set()
         deadline = time.monotonic() + RELEASE_S
         refresher.join(RELEASE_S)  # a refresh under way ends in ms, unless the bucket is gone

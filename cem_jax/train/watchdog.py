@@ -38,11 +38,18 @@ PHASE_FD = "CEM_TRAIN_PHASE_FD"
 STOPPED = 75  # `cem_jax.exits.ExitStatus.STOPPED`: relaunch to resume
 
 
+LAUNCHED = "CEM_TRAIN_LAUNCHED"  # set by the supervisor: when cem-train started (s since the epoch)
+
+
 class _State:
     process: tuple[int, int] = (0, 1)
     phase = "start-up"
     checkpoint: int | None = None
     lock = threading.Lock()
+    launched = time.time()
+    kind, since = "startup", launched  # what the phase's time is spent on, since when
+    spent: dict[str, float] = {}
+    on_leave: list[Callable[[], None]] = []
 
 
 def _tell(line: str) -> None:
@@ -55,15 +62,35 @@ def _tell(line: str) -> None:
 
 
 def started(process: int, count: int) -> None:
-    """This is process `process` of `count`."""
+    """This is process `process` of `count`, in a launch that started when cem-train did
+    (CEM_TRAIN_LAUNCHED), or now (a `train` called in this process): the phases' clock starts
+    there, in start-up."""
     _State.process = (process, count)
+    _State.launched = float(os.environ.get(LAUNCHED) or time.time())
+    _State.phase, _State.kind, _State.since, _State.spent = ("start-up", "startup",
+                                                             _State.launched, {})
     _tell(f"process {process} {count}")
 
 
-def enter(phase: str) -> None:
-    """The main thread now does `phase` ("train step 16")."""
-    _State.phase = phase
+def enter(phase: str, kind: str) -> None:
+    """The main thread now does `phase` ("train step 16"), time spent on `kind` (one of
+    `cem_jax.train.goodput.KINDS`: "step", "checkpoint", ...)."""
+    now = time.time()
+    _State.spent[_State.kind] = _State.spent.get(_State.kind, 0.0) + now - _State.since
+    _State.phase, _State.kind, _State.since = phase, kind, now
     _tell(f"phase {phase}")
+
+
+def launched() -> float:
+    """When this launch started (s since the epoch; see `started`)."""
+    return _State.launched
+
+
+def spent(now: float) -> dict[str, float]:
+    """Seconds of this launch until `now` by what they were spent on (`enter`'s kinds)."""
+    spent = dict(_State.spent)
+    spent[_State.kind] = spent.get(_State.kind, 0.0) + now - _State.since
+    return spent
 
 
 def saved(step: int) -> None:
@@ -90,16 +117,28 @@ def resume_note(checkpoint: int | None) -> str:
     return f"the newest complete checkpoint is step {checkpoint}: relaunch to resume from it"
 
 
+def on_leave(release: Callable[[], None]) -> Callable[[], None]:
+    """Have `leave` call `release()` (bounded by its own means: a bucket lock's deletion gives
+    itself a few seconds) before the process ends; returns the call that cancels it."""
+    _State.on_leave.append(release)
+    return lambda: _State.on_leave.remove(release)
+
+
 def leave(what: str) -> NoReturn:
     """End the process at once with the retryable status 75 after one stderr line:
     "cem-train: process 1 of 2 WHAT during PHASE; the newest complete checkpoint is step N:
     relaunch to resume from it (exit status 75)". Nothing is unwound: no shutdown barrier, no
-    pending save waits for a peer or a storage that is gone."""
+    pending save waits for a peer or a storage that is gone; only what `on_leave` registered
+    runs (the run directory's bucket lock is released, so that a relaunch on another host
+    need not wait out its lease)."""
     line = (f"cem-train: {who()} {what} during {_State.phase}; "
             f"{resume_note(_State.checkpoint)} (exit status {STOPPED})\n")
     with contextlib.suppress(Exception):  # the main thread may be inside a write to it
         sys.stdout.flush()
     os.write(2, line.encode())
+    for release in list(_State.on_leave):
+        with contextlib.suppress(Exception):
+            release()
     os._exit(STOPPED)
 
 

@@ -55,8 +55,8 @@ def test_the_scripts_are_there():
 def test_shellcheck_and_bash_syntax(script):
     syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
-    check = subprocess.run([_shellcheck(), "--severity=style", str(script)],
-                           capture_output=True, text=True)
+    check = subprocess.run([_shellcheck(), "--severity=style", "--external-sources",
+                            str(script)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -889,3 +889,86 @@ def test_local_makes_the_venv_when_missing(tmp_path):
         {"python": str(venv / "bin" / "python"),
          "argv": ["-m", "pip", "install", "--quiet", "-e", f"{REPO}[gpu]"]},
         {"argv": ["--config", str(REPO / "configs" / "shakespeare_cem.yaml")], "xla": None}]
+
+
+# Exits with the statuses of FAKE_STATUSES (one per run, then 0), each after FAKE_SLEEP seconds;
+# a SIGINT or SIGTERM ends it with 75 (cem-train saves and stops), logged as "signal". Process 1
+# of a job exits 75 (a lost peer) the first time that the file FAKE_LOSE_ONCE is not there.
+FAKE_RELAUNCHED_TRAINER = f"""#!{PY}
+import json, os, signal, sys, time
+log = os.environ["FAKE_LOG"]
+runs = open(log).read().count('"argv"') if os.path.exists(log) else 0
+statuses = [int(s) for s in os.environ.get("FAKE_STATUSES", "").split()]
+def stop(signum, frame):
+    with open(log, "a") as f:
+        f.write(json.dumps({{"signal": signum}}) + "\\n")
+    sys.exit(75)
+signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
+with open(log, "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:]}}) + "\\n")
+time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
+once = os.environ.get("FAKE_LOSE_ONCE")
+if once and "mesh.process_id=1" in sys.argv and not os.path.exists(once):
+    open(once, "w").close()
+    sys.exit(75)
+sys.exit(statuses[runs] if runs < len(statuses) else 0)
+"""
+
+
+@pytest.mark.parametrize("statuses,args,status,runs,said", [
+    ("75 75", [], 0, 3, "status 75 (relaunch to resume); running it again"),
+    ("1", [], 1, 1, None),  # no restarts by default: a crash is the status
+    ("1 137", ["--max-restarts", "1"], 137, 2, "giving up after 1 restarts (last status 137)"),
+    ("1 75 1", ["--max-restarts", "2"], 0, 4, "status 1: restart 2 of 2"),
+    ("2", ["--max-restarts", "5"], 2, 1, None),  # cannot run as configured: never again
+    ("3", ["--max-restarts", "5"], 3, 1, None),  # diverged: never again
+])
+def test_local_relaunches_on_75_and_restarts_a_crash_a_bounded_number_of_times(
+        tmp_path, statuses, args, status, runs, said):
+    _write(tmp_path / "venv" / "bin" / "cem-train", FAKE_RELAUNCHED_TRAINER)
+    proc, calls = _local(tmp_path, ["--retry-delay", "0", *args], VENV=str(tmp_path / "venv"),
+                         FAKE_STATUSES=statuses)
+    assert proc.returncode == status and len(calls) == runs, (proc.stderr, calls)
+    if said:
+        assert said in proc.stderr
+    else:
+        assert proc.stderr == ""
+
+
+def test_local_runs_several_processes_as_one_job_and_again_whole(tmp_path):
+    _write(tmp_path / "venv" / "bin" / "cem-train", FAKE_RELAUNCHED_TRAINER)
+    proc, calls = _local(tmp_path, ["--processes", "3", "--retry-delay", "0", "run.steps=9"],
+                         VENV=str(tmp_path / "venv"), FAKE_LOSE_ONCE=str(tmp_path / "lost"))
+    assert proc.returncode == 0, proc.stderr
+    assert len(calls) == 6  # the job ran twice, whole
+    for run in (calls[:3], calls[3:]):
+        mesh = sorted(c["argv"][3:] for c in run)
+        assert [c["argv"][:3] for c in run] == [
+            ["--config", str(REPO / "configs" / "shakespeare_cem.yaml"), "run.steps=9"]] * 3
+        port = mesh[0][1].rsplit(":", 1)[1]
+        assert mesh == [["mesh.distributed=true", f"mesh.coordinator_address=127.0.0.1:{port}",
+                         "mesh.num_processes=3", f"mesh.process_id={i}"] for i in range(3)]
+    assert "status 75 (relaunch to resume)" in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_local_passes_a_signal_on_once_and_does_not_run_again(tmp_path, sig):
+    """A Ctrl-C reaches local.sh alone (each cem-train has a process group of its own): it
+    passes it on once to every process (a second SIGINT would end cem-train unsaved) and, the
+    job stopped with 75, runs nothing again."""
+    _write(tmp_path / "venv" / "bin" / "cem-train", FAKE_RELAUNCHED_TRAINER)
+    log = tmp_path / "log.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "XLA_FLAGS")}
+    proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "--processes", "2"],
+                            env={**env, "FAKE_LOG": str(log), "VENV": str(tmp_path / "venv"),
+                                 "FAKE_SLEEP": "60"}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while (not log.exists() or log.read_text().count('"argv"') < 2) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=20)
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    assert proc.returncode == 75 and err == "", err
+    assert sorted(c.get("signal", 0) for c in calls) == [0, 0, sig, sig]  # 2 runs, once each

@@ -309,3 +309,20 @@ def test_a_storage_failure_is_one_line_and_status_1_in_the_other_commands(
     assert err.startswith(f"{command}: error: object storage unreachable or failing at "
                           f"gs://bkt/runs/cem/"), err
     assert err.rstrip().endswith("nothing was lost; run the same command again"), err
+
+
+def test_a_process_that_leaves_for_a_lost_peer_releases_its_bucket_lock(gcs_bucket):
+    """`watchdog.leave` (a lost peer: no unwinding, status 75) still deletes the run
+    directory's lock object, so a relaunch on another host takes the run at once instead of
+    waiting out the lease."""
+    run_dir = f"{gcs_bucket}/runs/left"
+    code = (f"from cem_jax.train import lock, watchdog; watchdog.started(0, 2)\n"
+            f"with lock.run_dir_lock({run_dir!r}, lead=True):\n"
+            f"    print(*lock._locks({run_dir!r}), flush=True)\n"
+            f"    watchdog.leave('lost a peer (a test)')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 75, result.stderr
+    assert result.stdout.startswith("(1, ") and "/runs/left/.lock.1" in result.stdout
+    assert result.stderr.splitlines()[-1].startswith("cem-train: process 0 of 2 lost a peer")
+    assert [n for n in files.names(run_dir) if n.startswith(".lock")] == []
