@@ -77,6 +77,14 @@ def _url(fs: fsspec.AbstractFileSystem, bare: str) -> str:
 STORAGE_CONNECT_S = 3.0  # to connect to the storage (gcsfs's default: no limit)
 STORAGE_SILENCE_S = 60.0  # of silence from the storage once a request is sent (likewise)
 DISCARD_S = 2.0  # at most, to cancel an upload given up (`writing`)
+def _note_url(err: BaseException, path: Any) -> None:
+    """Note URL `path` on storage failure `err`, unless a note names one already (the
+    innermost call's is the one)."""
+    if (isinstance(path, str) and is_url(path) and storage_error(err) is not None
+            and not any(str(n).startswith(NOTE) for n in getattr(err, "__notes__", ()))):
+        err.add_note(NOTE + path)
+
+
 def _noting_url(func: Callable) -> Callable:
     """`func(path, ...)` (a function or a generator, a `contextmanager`'s), a storage failure
     it raises noted with `path` when that is a URL (`storage_error` names it; the innermost
@@ -85,10 +93,7 @@ def _noting_url(func: Callable) -> Callable:
     first = next(iter(inspect.signature(func).parameters))  # `path`'s name
 
     def note(err: Exception, args: tuple, kwargs: dict) -> None:
-        path = args[0] if args else kwargs.get(first)
-        if (isinstance(path, str) and is_url(path) and storage_error(err) is not None
-                and not any(str(n).startswith(NOTE) for n in getattr(err, "__notes__", ()))):
-            err.add_note(NOTE + path)
+        _note_url(err, args[0] if args else kwargs.get(first))
 
     if inspect.isgeneratorfunction(func):
         @functools.wraps(func)
@@ -195,12 +200,17 @@ def read_ranges(paths: str | list[str], starts: list[int], stops: list[int]) -> 
     for ranges in remote.values():
         fs, _ = _fs(paths[ranges[0]])
         bare = {paths[k]: fs._strip_protocol(paths[k]) for k in ranges}
-        got = fs.cat_ranges([bare[paths[k]] for k in ranges], [starts[k] for k in ranges],
-                            [stops[k] for k in ranges], on_error="return")
+        try:
+            got = fs.cat_ranges([bare[paths[k]] for k in ranges], [starts[k] for k in ranges],
+                                [stops[k] for k in ranges], on_error="return")
+        except Exception as err:
+            _note_url(err, paths[ranges[0]])
+            raise
         for k, data in zip(ranges, got, strict=True):
             if isinstance(data, FileNotFoundError):
                 raise FileNotFoundError(f"{paths[k]} does not exist") from None
             if isinstance(data, BaseException):
+                _note_url(data, paths[k])  # a list of paths: the decorator notes none
                 raise data
             out[k] = data
     return out

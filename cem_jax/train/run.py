@@ -204,6 +204,7 @@ def _train(cfg: TrainConfig, run_dir: str, mesh: jax.sharding.Mesh, lead: bool,
         checkpointer = Checkpointer(run_dir, cfg.run.keep_checkpoints)
         closing.callback(checkpointer.close)
         closing.push(watchdog.leave_if_peer_lost)  # before that close waits for the peer
+        watchdog.drop_peer_lost_echoes()
         resume_step = checkpointer.latest_step()
         if resume_step is not None:
             watchdog.saved(resume_step)

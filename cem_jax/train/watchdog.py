@@ -27,6 +27,7 @@ This module imports no JAX.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -159,6 +160,25 @@ def lost_peer(err: BaseException | None) -> str | None:
     return (text.splitlines() or [""])[0][:300]
 
 
+class _PeerLostEchoes(logging.Filter):
+    """orbax's logs (with tracebacks, from its save threads) of a commit that failed for a lost
+    peer: the main thread meets the same error at its next save or close, and leaves in one
+    line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.exc_info
+                    and f"{os.sep}orbax{os.sep}" in record.pathname
+                    and lost_peer(record.exc_info[1]) is not None)
+
+
+def drop_peer_lost_echoes() -> None:
+    """From now on, drop orbax's logs of a save that failed for a lost peer (`_PeerLostEchoes`;
+    once per process)."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _PeerLostEchoes) for f in absl.filters):
+        absl.addFilter(_PeerLostEchoes())
+
+
 def leave_if_peer_lost(exc_type, err, traceback) -> None:
     """An `ExitStack.push` callback: `leave` when the error unwinding the block is a lost peer's
     (before the block's other exits wait for that peer: a checkpoint's close, a barrier)."""
@@ -195,9 +215,10 @@ class SaveWatch:
 
     def wait(self) -> None:
         """Return when the save watched has ended (the process leaves at its bound); call it
-        before the run ends, so that no thread still calls into orbax as the process exits."""
+        before the run ends, so that no thread still calls into orbax as the process exits.
+        The check that the save is complete (a read of its storage) is given the bound too."""
         if self._watching is not None:
-            self._watching.join()
+            self._watching.join(timeout=2 * self.bound())
             self._watching = None
 
     def bound(self) -> float:
@@ -210,6 +231,10 @@ class SaveWatch:
                       f"{waited:.0f} s (run.save_timeout_s; its storage unreachable, or a "
                       f"peer lost)")
             time.sleep(self.poll_s)
-        if self.complete(step):
+        try:
+            complete = self.complete(step)
+        except Exception:  # its storage unreachable: the next save or the close says so
+            return
+        if complete:
             self.longest = max(self.longest, time.monotonic() - start)
             saved(step)

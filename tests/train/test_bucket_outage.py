@@ -160,6 +160,45 @@ def test_a_storage_outage_before_a_save_is_one_line_status_75_and_the_run_resume
     assert not [n for n in files.names(run_dir) if n.startswith(".lock")]
 
 
+def test_a_storage_outage_during_a_data_read_is_one_line_status_75_and_the_run_resumes(
+        tiny_overrides, gcs_emulator, gcs_bucket, tmp_path):
+    """The tokenized data on the bucket (`data.cache_dir=gs://...`), the run directory local:
+    the storage cut after step 3, the next batch's reads fail (once the batches read ahead are
+    used), and the run ends with status 75 and one line naming the data's URL, in bounded time;
+    the storage back, the same command resumes from checkpoint 2 and finishes."""
+    proxy = Proxy(gcs_emulator)
+    through_proxy = {"STORAGE_EMULATOR_HOST": proxy.url, "TENSORSTORE_GCS_HTTP_URL": proxy.url}
+    paused, cache = tmp_path / "paused", f"{gcs_bucket}/cache"
+    args = [*(o for o in tiny_overrides if not o.startswith("data.cache_dir=")),
+            f"data.cache_dir={cache}", "run.steps=60", "run.checkpoint_every=2",
+            "run.eval_every=1000", f"run.dir={tmp_path / 'run'}", "run.sample_tokens=0",
+            "imports=[faults]"]
+    env = {**os.environ, **fault_env(pause_step=3, pause_file=paused), **through_proxy}
+    proc = subprocess.Popen([sys.executable, "-m", "cem_jax.cli.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(paused, proc, timeout=240)
+        proxy.cut()
+        cut = time.monotonic()
+        paused.unlink()
+        out, err = proc.communicate(timeout=300)
+        took = time.monotonic() - cut
+    finally:
+        proc.kill()
+        proxy.cut()
+    assert proc.returncode == 75, (out[-2000:], err[-3000:])
+    lines = [line for line in err.splitlines() if not TEST_TOKEN_LOG.match(line)]
+    assert len(lines) == 1, err[-5000:]
+    assert re.fullmatch(rf"cem-train: the training process, during train step \d+: object "
+                        rf"storage unreachable or failing at {cache}/.*\(exit status 75\)",
+                        lines[0]), lines
+    assert took < MAX_FAIL_S, took
+    proxy.restore()
+    resumed = run_cli(args, env={**fault_env(), **through_proxy})
+    assert resumed.returncode == 0, (resumed.stdout[-2000:], resumed.stderr[-3000:])
+    assert "resumed" in resumed.stdout and "from step " in resumed.stdout
+
+
 def test_a_save_in_flight_when_its_storage_goes_is_abandoned_in_bounded_time(
         tiny_overrides, gcs_emulator, gcs_bucket, tmp_path):
     """TensorStore's writes (the checkpoint's arrays, through their own proxy) cut after step 3,
