@@ -110,7 +110,8 @@ def register_setup_hook(hook: SetupHook) -> None:
 @exits.caught()
 def train(cfg: TrainConfig, hooks: Sequence[SetupHook] = ()) -> dict[str, Any]:
     """Train (or resume) the run `cfg.run.dir`; returns a summary {"step", "eval":
-    `cem_jax.evaluate.evaluate`'s figures (empty without a validation split), "sample"}.
+    `cem_jax.evaluate.evaluate`'s figures (empty without a validation split), "sample", and
+    for a run that trained "goodput": `cem_jax.train.goodput.Goodput`, every launch's}.
     `hooks`: called with the `Setup` once the step loop is built (after `SETUP_HOOKS`), to add
     loop hooks of the caller's.
 
