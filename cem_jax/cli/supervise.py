@@ -16,7 +16,8 @@ lines of C++ log and stack on stderr) and cannot be told otherwise from Python. 
   child has its own process group, so a terminal's Ctrl-C reaches it once, through here); the
   child dies with the supervisor (Linux's PR_SET_PDEATHSIG);
 - reads what the child does from a pipe (`cem_jax.train.watchdog`: its process index, its
-  phase, its newest complete checkpoint);
+  phase, its newest complete checkpoint, the bucket lock it holds, which the supervisor
+  deletes if the child dies holding it);
 - ends with the child's status (after a crash, with what was diverted passed on), unless the
   child died of a signal: after a fault of the coordination service's, one line "process 1 of
   2 lost process 0 (the coordinator) during train step 16; the newest complete checkpoint is
@@ -61,6 +62,7 @@ class _Child:
         self.process: tuple[int, int] = (0, 1)
         self.phase = "start-up"
         self.checkpoint: int | None = None
+        self.lock: str | None = None  # the bucket lock object it holds
         self.fault = False
         self.diverted: list[str] = []
 
@@ -85,6 +87,10 @@ def supervise(argv: Sequence[str]) -> int:
         status = child.wait()
     for thread in threads:
         thread.join(timeout=5)
+    if state.lock is not None:  # it died holding the run directory's bucket lock
+        from cem_jax.train.lock import release_dead_holder
+
+        release_dead_holder(state.lock)
     return _ended(status, state)
 
 
@@ -118,6 +124,8 @@ def _read_phases(stream, state: _Child) -> None:
             state.phase = value
         elif kind == "checkpoint":
             state.checkpoint = int(value)
+        elif kind == "lock":
+            state.lock = None if value == "-" else value
 
 
 def _pass_stderr(stream, state: _Child) -> None:

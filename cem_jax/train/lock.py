@@ -17,7 +17,9 @@ that every emulator serves, so there the lock is a numbered object `run_dir/.loc
   precondition (of two takers, one gets it) and deleting the older ones. So is, at once, one
   whose holder ran on this host, in this pid namespace, and is no longer running (`_gone`):
   a run relaunched on the machine where it failed (the storage unreachable for a while, a
-  SIGKILL) does not wait out the lease.
+  SIGKILL) does not wait out the lease. A training process that dies holding it (killed, or
+  aborted by JAX's coordination service) has it deleted by its supervisor
+  (`cem_jax.cli.supervise`), so a relaunch on another host does not wait either.
 
 What it guards: a second cem-train (a launcher run twice, a relaunch while the old slice still
 trains) stops at once with `RunDirInUse` instead of interleaving checkpoints and metrics. What
@@ -98,6 +100,7 @@ def _bucket_lock(run_dir: str) -> Iterator[None]:
     refresher = threading.Thread(target=_refresh, args=(run_dir, path, holder, stop),
                                  daemon=True, name="cem-train run.dir lock")
     refresher.start()
+    watchdog.holds_lock(path)  # the supervisor deletes it if this process dies holding it
     cancel = watchdog.on_leave(lambda: _release(path, RELEASE_S))  # a lost peer's fast exit
     try:
         yield
@@ -107,6 +110,14 @@ def _bucket_lock(run_dir: str) -> Iterator[None]:
         deadline = time.monotonic() + RELEASE_S
         refresher.join(RELEASE_S)  # a refresh under way ends in ms, unless the bucket is gone
         _release(path, max(deadline - time.monotonic(), 0.5))
+        watchdog.holds_lock(None)
+
+
+def release_dead_holder(path: str) -> None:
+    """Delete the bucket lock object `path` of a training process known to be dead (cem-train's
+    supervisor saw it die holding it), within RELEASE_S: a relaunch on any host takes the run
+    directory at once instead of waiting out LEASE_S."""
+    _release(path, RELEASE_S)
 
 
 def _release(path: str, timeout: float) -> None:

@@ -9,6 +9,7 @@ an in-process test):
     phase TEXT         what the main thread does now ("train step 16", "evaluation at step
                        20", "start-up")
     checkpoint STEP    the newest complete checkpoint is STEP
+    lock PATH          it holds the run directory's bucket lock object PATH ("-": no more)
 
 The supervisor names the phase and the checkpoint in the one line it prints when the child
 dies of a fault that the child could not report itself (JAX's coordination service aborts the
@@ -98,6 +99,12 @@ def saved(step: int) -> None:
     """The newest complete checkpoint is now step `step`."""
     _State.checkpoint = step
     _tell(f"checkpoint {step}")
+
+
+def holds_lock(path: str | None) -> None:
+    """This process holds the run directory's bucket lock object `path` now (None: no more),
+    so that the supervisor deletes it if this process dies holding it."""
+    _tell(f"lock {path or '-'}")
 
 
 def phase() -> str:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -364,4 +365,27 @@ def test_a_process_that_leaves_for_a_lost_peer_releases_its_bucket_lock(gcs_buck
     assert result.returncode == 75, result.stderr
     assert result.stdout.startswith("(1, ") and "/runs/left/.lock.1" in result.stdout
     assert result.stderr.splitlines()[-1].startswith("cem-train: process 0 of 2 lost a peer")
+    assert [n for n in files.names(run_dir) if n.startswith(".lock")] == []
+
+
+def test_a_training_process_killed_holding_the_bucket_lock_has_it_deleted(
+        tiny_overrides, gcs_bucket, tmp_path):
+    """SIGKILL of cem-train's training process (the out-of-memory killer) skips every release:
+    its supervisor, which saw it die holding the lock object, deletes it, so that a relaunch on
+    another host does not wait out the lease."""
+    run_dir, paused = f"{gcs_bucket}/runs/killed", tmp_path / "paused"
+    args = [*tiny_overrides, f"run.steps={STEPS}", f"run.dir={run_dir}", "run.sample_tokens=0",
+            "imports=[faults]"]
+    env = {**os.environ, **fault_env(pause_step=2, pause_file=paused)}
+    proc = subprocess.Popen([sys.executable, "-m", "cem_jax.cli.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(paused, proc, timeout=240)
+        assert [n for n in files.names(run_dir) if n.startswith(".lock")] == [".lock.1"]
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as children:
+            os.kill(int(children.read().split()[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "died of SIGKILL" in err, err[-3000:]
     assert [n for n in files.names(run_dir) if n.startswith(".lock")] == []
