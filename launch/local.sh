@@ -144,7 +144,11 @@ while true; do
   if [[ $rc != 75 ]]; then
     restarts=$((restarts + 1))
     if ((restarts > MAX_RESTARTS)); then
-      ((MAX_RESTARTS == 0)) || say "giving up after $MAX_RESTARTS restarts (last status $rc)"
+      if ((MAX_RESTARTS == 0)); then
+        say "cem-train ended with status $rc; not run again (--max-restarts 0)"
+      else
+        say "giving up after $MAX_RESTARTS restarts (last status $rc)"
+      fi
       exit "$rc"
     fi
   fi

@@ -50,6 +50,7 @@ _GLOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
 _CXX = ("*** Check failure stack trace", "    @ ", "terminate called", "  what():",
         "Additional GRPC error information", ":UNKNOWN:Error received from peer", "=== Source")
 # What the coordination service's messages say when it ends a process for a lost peer.
+_SAID = re.compile(r"\(exit status (\d+)\)$")  # the end of cem-train's own last line
 _FAULT = ("Terminating process because", "Polled an error from coordination service",
           "heartbeat timeout", "stopped sending heartbeats", "missing heartbeat",
           "Shutdown barrier", "Barrier failed")
@@ -63,6 +64,7 @@ class _Child:
         self.phase = "start-up"
         self.checkpoint: int | None = None
         self.lock: str | None = None  # the bucket lock object it holds
+        self.said: int | None = None  # the status its own last line gave
         self.fault = False
         self.diverted: list[str] = []
 
@@ -151,6 +153,8 @@ def _take(line: str, held: list[str], since: float, state: _Child) -> float:
     """Hold, divert or pass on one line of the child's stderr; returns the time of the newest
     held C++ line. Once a fault shows, every line but the child's own last one ("cem-train:
     ...") is diverted: the rest (C++ logs, the tracebacks of orbax's threads) is its echo."""
+    if line.startswith("cem-train: ") and (said := _SAID.search(line)):
+        state.said = int(said.group(1))
     if state.fault and not line.startswith("cem-train: "):
         state.diverted.append(line)
         return since
@@ -181,7 +185,11 @@ def _flush(held: list[str], state: _Child) -> None:
 
 
 def _died(sig: signal.Signals, state: _Child) -> int:
-    """cem-train's last line and status for a child ended by signal `sig`."""
+    """cem-train's last line and status for a child ended by signal `sig`: none and the status
+    it gave when it had printed its own last line (aborted afterwards in JAX's shutdown barrier,
+    waiting for a peer that waits for it: a run directory in use refuses process 0 alone)."""
+    if state.said is not None:
+        return state.said
     index, count = state.process
     who = f"process {index} of {count}" if count > 1 else "the training process"
     log = _keep(state.diverted)

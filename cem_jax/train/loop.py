@@ -154,7 +154,10 @@ class TrainLoop:
             self.step += 1
             info = StepInfo(self.step, self.state, metrics, self.step == self.last_step, self)
             self._current = info
-            if pending is not None:
+            if pending is not None and pending.step == first:  # its wait: the compile's
+                with watchdog.spending("compile"):
+                    pending.finish()
+            elif pending is not None:
                 pending.finish()
             for hook in self.hooks:
                 if hook.reads == "state" and hook.due(info):

@@ -77,10 +77,29 @@ def started(process: int, count: int) -> None:
 def enter(phase: str, kind: str) -> None:
     """The main thread now does `phase` ("train step 16"), time spent on `kind` (one of
     `cem_jax.train.goodput.KINDS`: "step", "checkpoint", ...)."""
+    _charge()
+    _State.phase, _State.kind = phase, kind
+    _tell(f"phase {phase}")
+
+
+@contextlib.contextmanager
+def spending(kind: str):
+    """Charge the time of the block to `kind`, the phase staying what it is (the device time
+    of a launch's first step, waited for in the next step's phase: its compile)."""
+    _charge()
+    previous, _State.kind = _State.kind, kind
+    try:
+        yield
+    finally:
+        _charge()
+        _State.kind = previous
+
+
+def _charge() -> None:
+    """Add the time since the last charge to what it was spent on."""
     now = time.time()
     _State.spent[_State.kind] = _State.spent.get(_State.kind, 0.0) + now - _State.since
-    _State.phase, _State.kind, _State.since = phase, kind, now
-    _tell(f"phase {phase}")
+    _State.since = now
 
 
 def launched() -> float:
@@ -208,6 +227,7 @@ class SaveWatch:
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.longest = 0.0
         self._watching: threading.Thread | None = None
+        self._poke = threading.Event()  # look again now: `wait` waits for the answer
 
     def save(self, step: int, write: Callable[[], None]) -> None:
         """Start the save of step `step` with `write()` (which returns while it is written) and
@@ -225,6 +245,7 @@ class SaveWatch:
         before the run ends, so that no thread still calls into orbax as the process exits.
         The check that the save is complete (a read of its storage) is given the bound too."""
         if self._watching is not None:
+            self._poke.set()
             self._watching.join(timeout=2 * self.bound())
             self._watching = None
 
@@ -237,7 +258,8 @@ class SaveWatch:
                 leave(f"abandoned the checkpoint save of step {step}, unfinished after "
                       f"{waited:.0f} s (run.save_timeout_s; its storage unreachable, or a "
                       f"peer lost)")
-            time.sleep(self.poll_s)
+            self._poke.wait(self.poll_s)
+            self._poke.clear()
         try:
             complete = self.complete(step)
         except Exception:  # its storage unreachable: the next save or the close says so

@@ -49,3 +49,17 @@ def test_a_crash_after_a_fault_shows_what_was_diverted_and_a_stop_with_75_does_n
     assert capsys.readouterr().err == ""
     assert supervise._ended(1, state) == 1
     assert capsys.readouterr().err == "Traceback (most recent call last):\nError: x\n"
+
+
+def test_a_child_aborted_after_its_own_last_line_keeps_its_status(capsys):
+    """Process 0 refused a run directory in use (status 2), then JAX's coordination service
+    aborted it in the shutdown barrier: cem-train's status stays 2 (not 75, which launchers
+    relaunch), with no second line."""
+    fault = f"{GLOG}Terminating process because the coordination service has stopped\n"
+    state = _through(["cem-train: error: /r is in use by another cem-train (exit status 2)\n",
+                      fault])
+    capsys.readouterr()
+    assert supervise._ended(-6, state) == 2  # SIGABRT
+    assert capsys.readouterr().err == ""
+    state.said = None
+    assert supervise._ended(-6, state) == 75

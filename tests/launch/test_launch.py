@@ -918,7 +918,7 @@ sys.exit(statuses[runs] if runs < len(statuses) else 0)
 
 @pytest.mark.parametrize("statuses,args,status,runs,said", [
     ("75 75", [], 0, 3, "status 75 (relaunch to resume); running it again"),
-    ("1", [], 1, 1, None),  # no restarts by default: a crash is the status
+    ("1", [], 1, 1, "status 1; not run again (--max-restarts 0)"),  # no restarts by default
     ("1 137", ["--max-restarts", "1"], 137, 2, "giving up after 1 restarts (last status 137)"),
     ("1 75 1", ["--max-restarts", "2"], 0, 4, "status 1: restart 2 of 2"),
     ("2", ["--max-restarts", "5"], 2, 1, None),  # cannot run as configured: never again

@@ -201,3 +201,30 @@ def test_a_middle_process_lost_ends_the_first_and_the_last(tiny_overrides, tmp_p
     for index, (status, err, _) in zip((0, 2), ends, strict=True):
         assert status == 75 and len(err) == 1, err
         assert err[0].startswith(f"cem-train: process {index} of 3 lost "), err
+
+
+def test_a_job_refused_by_its_run_directory_lock_ends_with_status_2_not_75(
+        tiny_overrides, tmp_path):
+    """A run directory in use refuses process 0 alone (it holds the lock): process 0 says so
+    and ends with status 2, also when JAX's coordination service aborts it afterwards in the
+    shutdown barrier, where it waits for a peer that waits for it (its supervisor keeps the
+    status the line gave: 75 would be relaunched forever); the others end within the bound;
+    the job's status is 2 (launch/statuses.sh)."""
+    tmp_path.mkdir(exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print(flush=True); "
+                               "time.sleep(300)", str(tmp_path / ".lock")],
+                              stdout=subprocess.PIPE, text=True)
+    STARTED.append(holder)
+    holder.stdout.readline()  # it holds the lock
+    procs = _start([*tiny_overrides, *SETTINGS, f"run.dir={tmp_path}"], 2)
+    start = time.monotonic()
+    (first, err0, seconds0), (second, _, _) = _ends(procs, start)
+    assert first == 2 and err0[-1].startswith(f"cem-train: error: {tmp_path} is in use by "), err0
+    assert err0[-1].endswith("(exit status 2)") and seconds0 < BOUND_S, (err0, seconds0)
+    assert second in (2, 75), second
+    statuses = REPO / "launch" / "statuses.sh"
+    combined = subprocess.run(["bash", "-c", f'source {statuses}; combined_status "$1"', "-",
+                               f"{first}\n{second}"])
+    assert combined.returncode == 2
