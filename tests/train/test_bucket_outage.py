@@ -108,6 +108,27 @@ def _wait_for(path, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.1)
 
 
+def _cut_at_pause(args: list[str], env: dict[str, str], proxy: Proxy, paused,
+                  before_cut=lambda: None) -> tuple[int, str, str, float]:
+    """Start `cem-train ARGS` (environment `env`, which pauses it with file `paused`), wait for
+    its pause, call `before_cut()`, cut `proxy` and let it go on; returns (exit status, stdout,
+    stderr, seconds from the cut to its end). The proxy stays cut."""
+    proc = subprocess.Popen([sys.executable, "-m", "cem_jax.cli.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(paused, proc, timeout=240)
+        before_cut()
+        proxy.cut()
+        cut = time.monotonic()
+        paused.unlink()
+        out, err = proc.communicate(timeout=300)
+        took = time.monotonic() - cut
+    finally:
+        proc.kill()
+        proxy.cut()
+    return proc.returncode, out, err, took
+
+
 def test_a_storage_outage_before_a_save_is_one_line_status_75_and_the_run_resumes(
         tiny_overrides, gcs_emulator, gcs_bucket, tmp_path):
     """The storage cut after step 3 (checkpoint 2 committed): the run fails at step 4's metrics
@@ -121,24 +142,16 @@ def test_a_storage_outage_before_a_save_is_one_line_status_75_and_the_run_resume
     args = [*tiny_overrides, f"run.steps={STEPS}", "run.checkpoint_every=2",
             f"run.dir={run_dir}", "run.sample_tokens=0", "imports=[faults]"]
     env = {**os.environ, **fault_env(pause_step=3, pause_file=paused), **through_proxy}
-    proc = subprocess.Popen([sys.executable, "-m", "cem_jax.cli.train", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(paused, proc, timeout=240)
-        checkpoints = files.join(run_dir, "checkpoints")
+    checkpoints = files.join(run_dir, "checkpoints")
+
+    def committed() -> None:
         assert complete_steps(checkpoints) == [2]
         assert files.is_file(files.join(checkpoints, "2", COMMIT_MARKER))
-        proxy.cut()
-        cut = time.monotonic()
-        paused.unlink()
-        out, err = proc.communicate(timeout=300)
-        took = time.monotonic() - cut
-    finally:
-        proc.kill()
-        proxy.cut()
+
+    returncode, out, err, took = _cut_at_pause(args, env, proxy, paused, committed)
     print(f"from the cut to the end of cem-train: {took:.1f} s\nstdout (its end):\n"
           f"{out[-1500:]}\nstderr:\n{err}")
-    assert proc.returncode == 75, (out[-2000:], err[-3000:])  # the launchers relaunch it
+    assert returncode == 75, (out[-2000:], err[-3000:])  # the launchers relaunch it
     lines = [line for line in err.splitlines() if not TEST_TOKEN_LOG.match(line)]
     assert len(lines) == 1, err[-5000:]
     assert lines[0].startswith(f"cem-train: the training process, during the metrics flush "
@@ -175,19 +188,8 @@ def test_a_storage_outage_during_a_data_read_is_one_line_status_75_and_the_run_r
             "run.eval_every=1000", f"run.dir={tmp_path / 'run'}", "run.sample_tokens=0",
             "imports=[faults]"]
     env = {**os.environ, **fault_env(pause_step=3, pause_file=paused), **through_proxy}
-    proc = subprocess.Popen([sys.executable, "-m", "cem_jax.cli.train", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(paused, proc, timeout=240)
-        proxy.cut()
-        cut = time.monotonic()
-        paused.unlink()
-        out, err = proc.communicate(timeout=300)
-        took = time.monotonic() - cut
-    finally:
-        proc.kill()
-        proxy.cut()
-    assert proc.returncode == 75, (out[-2000:], err[-3000:])
+    returncode, out, err, took = _cut_at_pause(args, env, proxy, paused)
+    assert returncode == 75, (out[-2000:], err[-3000:])
     lines = [line for line in err.splitlines() if not TEST_TOKEN_LOG.match(line)]
     assert len(lines) == 1, err[-5000:]
     assert re.fullmatch(rf"cem-train: the training process, during train step \d+: object "
@@ -215,20 +217,9 @@ def test_a_save_in_flight_when_its_storage_goes_is_abandoned_in_bounded_time(
             f"run.dir={run_dir}", "run.sample_tokens=0", "run.save_timeout_s=5",
             "imports=[faults]"]
     env = {**os.environ, **fault_env(pause_step=3, pause_file=paused), **through}
-    proc = subprocess.Popen([sys.executable, "-m", "cem_jax.cli.train", *args], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(paused, proc, timeout=240)
-        arrays.cut()
-        cut = time.monotonic()
-        paused.unlink()
-        out, err = proc.communicate(timeout=300)
-        took = time.monotonic() - cut
-    finally:
-        proc.kill()
-        arrays.cut()
+    returncode, out, err, took = _cut_at_pause(args, env, arrays, paused)
     lines = [line for line in err.splitlines() if not TEST_TOKEN_LOG.match(line)]
-    assert proc.returncode == 75 and len(lines) == 1, err[-5000:]
+    assert returncode == 75 and len(lines) == 1, err[-5000:]
     assert lines[0].startswith("cem-train: the training process abandoned the checkpoint save "
                                "of step 4, unfinished after "), lines
     assert lines[0].endswith("the newest complete checkpoint is step 2: relaunch to resume "
